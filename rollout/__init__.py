@@ -1,0 +1,1 @@
+"""Plain PyTorch + diffusers rollout engine: sampling with exact trajectories, replay and codec."""

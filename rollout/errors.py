@@ -1,0 +1,31 @@
+"""Typed errors of the rollout library.
+
+Every error raised for bad input names the offending field, so that a server can turn it into a
+4xx response with a message a user can act on, and a Python caller can catch it by type.
+"""
+
+
+class RolloutError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class InvalidRequestError(RolloutError, ValueError):
+    """A request field has a value the library cannot serve.
+
+    Attributes:
+        field: Name of the offending field, as the caller spelled it (e.g. ``"num_inference_steps"``).
+        reason: What is wrong with it and what the limit is.
+    """
+
+    def __init__(self, field: str, reason: str):
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field}: {reason}")
+
+
+class UnknownPromptError(InvalidRequestError):
+    """The model does not know how to condition on this prompt."""
+
+
+class CodecError(RolloutError, ValueError):
+    """A tensor envelope is malformed or does not match its declared shape or dtype."""

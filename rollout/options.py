@@ -1,0 +1,105 @@
+"""Per-request sampling options, validated once at the library boundary."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rollout.errors import InvalidRequestError
+from rollout.transitions import TransitionKind
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How to run the denoising loop; shared by every sample of a request.
+
+    Attributes:
+        num_inference_steps: T, the number of denoising steps.
+        height, width: image size in pixels; None takes the model's default.
+        guidance_scale: classifier-free guidance scale; None takes the model's default.
+        sde_type: the transition used on SDE steps.
+        noise_level: eta, the noise level of the SDE/CPS transitions.
+        log_prob_without_constants: drop the model-independent terms of the log-density.
+        sde_step_indices: the steps that are stochastic; the others are ODE steps and draw no noise.
+            None means every step.
+        return_step_indices: which latents x_0 .. x_T to keep (x_T, the final latent, is step T).
+            None means all T + 1.
+        debug: also return per-step velocities, means, noise stds and noise draws.
+        return_denoising_env: also return each sample's conditioning tensors.
+    """
+
+    num_inference_steps: int = 20
+    height: int | None = None
+    width: int | None = None
+    guidance_scale: float | None = None
+    sde_type: TransitionKind = TransitionKind.SDE
+    noise_level: float = 0.7
+    log_prob_without_constants: bool = False
+    sde_step_indices: tuple[int, ...] | None = None
+    return_step_indices: tuple[int, ...] | None = None
+    debug: bool = False
+    return_denoising_env: bool = False
+
+    def __post_init__(self):
+        steps = self.num_inference_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1, got {steps!r}")
+        try:
+            object.__setattr__(self, "sde_type", TransitionKind(self.sde_type))
+        except ValueError:
+            raise InvalidRequestError(
+                "rollout_sde_type", f"must be one of {[k.value for k in TransitionKind]}, got {self.sde_type!r}"
+            ) from None
+        eta = self.noise_level
+        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not math.isfinite(eta) or eta < 0:
+            raise InvalidRequestError("rollout_noise_level", f"must be a finite number >= 0, got {eta!r}")
+        if self.sde_type is TransitionKind.CPS and eta > 1:
+            raise InvalidRequestError(
+                "rollout_noise_level", f"must be <= 1 for cps (std = sigma_next * sin(eta * pi / 2)), got {eta!r}"
+            )
+        if self.guidance_scale is not None and not math.isfinite(self.guidance_scale):
+            raise InvalidRequestError("guidance_scale", f"must be a finite number, got {self.guidance_scale!r}")
+        object.__setattr__(
+            self, "sde_step_indices", _check_step_indices("rollout_sde_step_indices", self.sde_step_indices, steps - 1)
+        )
+        object.__setattr__(
+            self, "return_step_indices", _check_step_indices("rollout_return_step_indices", self.return_step_indices, steps)
+        )
+
+    def transition_at(self, step: int) -> TransitionKind:
+        """The transition of absolute step `step`: SDE steps outside the window run as ODE."""
+        if self.sde_step_indices is not None and step not in self.sde_step_indices:
+            return TransitionKind.ODE
+        return self.sde_type
+
+    def kept_latent_steps(self) -> tuple[int, ...]:
+        """Absolute steps whose latents are returned, ascending; T is the final latent."""
+        if self.return_step_indices is None:
+            return tuple(range(self.num_inference_steps + 1))
+        return self.return_step_indices
+
+
+def _check_step_indices(field: str, indices, largest: int) -> tuple[int, ...] | None:
+    """Validates a step filter and returns it sorted."""
+    if indices is None:
+        return None
+    if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__"):
+        raise InvalidRequestError(field, f"must be a list of integers, got {indices!r}")
+    indices = list(indices)
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise InvalidRequestError(field, f"must contain integers, got {index!r}")
+        if not 0 <= index <= largest:
+            raise InvalidRequestError(field, f"index {index} is out of range [0, {largest}]")
+    if len(set(indices)) != len(indices):
+        duplicates = sorted({i for i in indices if indices.count(i) > 1})
+        raise InvalidRequestError(field, f"contains duplicated indices {duplicates}")
+    return tuple(sorted(indices))
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise InvalidRequestError("seed", f"must be an integer in [0, {MAX_SEED}], got {seed!r}")
+    return seed

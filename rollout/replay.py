@@ -1,0 +1,93 @@
+"""Trainer-side replay: recompute a rollout's per-step log-probs with the trainer's own model.
+
+The trainer indexes the returned schedule by absolute step and scores the latents the rollout
+actually took with the same transition function that sampled them. With the rollout's weights
+the result equals the rollout's log-probs bit for bit, so the PPO ratio is exactly 1 on-policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from rollout.errors import InvalidRequestError
+from rollout.models.base import Conditioning, RolloutPipeline
+from rollout.options import SamplingOptions
+from rollout.sampler import pad_conditioning, predict_velocity
+from rollout.schedule import ScheduleSnapshot
+from rollout.trajectory import SampleTrajectory
+from rollout.transitions import take_step
+
+
+@dataclass(frozen=True)
+class ReplayedLogProbs:
+    """Attributes:
+    step_indices: `(S,)` int64, the absolute steps i whose transition x_i -> x_{i+1} was replayed.
+    log_probs: `(N, S)` fp32, one row per sample, in the order the samples were given.
+    """
+
+    step_indices: torch.Tensor
+    log_probs: torch.Tensor
+
+
+def replayable_steps(latent_step_indices: torch.Tensor) -> list[int]:
+    """Steps i whose start x_i and end x_{i+1} were both kept."""
+    kept = set(latent_step_indices.tolist())
+    return sorted(i for i in kept if i + 1 in kept)
+
+
+def _conditioning_of(pipeline: RolloutPipeline, samples: Sequence[SampleTrajectory]) -> Conditioning:
+    if all(s.denoising_env is not None for s in samples):
+        return Conditioning.stack([s.denoising_env for s in samples])
+    return pipeline.encode_prompts([s.prompt for s in samples], [s.negative_prompt for s in samples])
+
+
+@torch.no_grad()
+def replay_log_probs(
+    pipeline: RolloutPipeline,
+    schedule: ScheduleSnapshot,
+    options: SamplingOptions,
+    samples: Sequence[SampleTrajectory],
+) -> ReplayedLogProbs:
+    """Recomputes the log-probs of every replayable step of `samples`.
+
+    Args:
+        pipeline: the trainer's model; its velocities are what is being evaluated.
+        schedule: the rollout's schedule, exactly as returned (never rebuilt from timesteps).
+        options: the rollout's options, as returned with the batch (model defaults filled in).
+        samples: samples of one rollout batch; their conditioning comes from `denoising_env`
+            when returned, otherwise the prompts are encoded again.
+    """
+    if len(samples) == 0:
+        raise InvalidRequestError("samples", "needs at least one sample")
+    kept_steps = samples[0].latent_step_indices
+    if any(not torch.equal(s.latent_step_indices, kept_steps) for s in samples):
+        raise InvalidRequestError("samples", "all samples must keep the same latent steps")
+    steps = replayable_steps(kept_steps)
+    position = {step: k for k, step in enumerate(kept_steps.tolist())}
+    device = pipeline.device
+    latents = torch.stack([s.latents for s in samples]).to(device)  # (N, K, ...)
+    sigmas = schedule.sigmas.to(device)
+    padded_conditioning = pad_conditioning(_conditioning_of(pipeline, samples), pipeline.micro_batch_size)
+
+    log_probs = []
+    for step in steps:
+        x_t = latents[:, position[step]]
+        x_next = latents[:, position[step + 1]]
+        v = predict_velocity(pipeline, x_t, schedule.timesteps[step], padded_conditioning, options.guidance_scale)
+        transition = take_step(
+            options.transition_at(step),
+            x_t,
+            v,
+            sigmas[step],
+            sigmas[step + 1],
+            eta=options.noise_level,
+            sigma_after_one=sigmas[1],
+            x_next=x_next,
+            log_prob_without_constants=options.log_prob_without_constants,
+        )
+        log_probs.append(transition.log_prob)
+    stacked = torch.stack(log_probs, dim=1).cpu() if log_probs else torch.zeros(len(samples), 0)
+    return ReplayedLogProbs(step_indices=torch.tensor(steps, dtype=torch.int64), log_probs=stacked)

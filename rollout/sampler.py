@@ -1,0 +1,175 @@
+"""The denoising loop: samples a batch and records each sample's exact trajectory.
+
+Two properties hold by construction and are tested:
+- Determinism: sample i draws everything from its own CPU generator seeded `seeds[i]`
+  (its initial noise first, then one draw per stochastic step).
+- Batch invariance: a sample's trajectory is bit-identical whether it is generated alone or in
+  any batch, because the model always runs on micro-batches of exactly
+  `pipeline.micro_batch_size` rows (padded), so every row sees the same kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from rollout.errors import InvalidRequestError
+from rollout.models.base import Conditioning, RolloutPipeline
+from rollout.options import SamplingOptions, check_seed
+from rollout.schedule import ScheduleSnapshot
+from rollout.trajectory import RolloutBatch, SampleTrajectory, StepDebug
+from rollout.transitions import take_step
+
+
+def resolve_options(pipeline: RolloutPipeline, options: SamplingOptions) -> SamplingOptions:
+    """Fills in the model's defaults (size, guidance) so the options describe the run exactly."""
+    return dataclasses.replace(
+        options,
+        height=pipeline.default_height if options.height is None else options.height,
+        width=pipeline.default_width if options.width is None else options.width,
+        guidance_scale=pipeline.default_guidance_scale if options.guidance_scale is None else options.guidance_scale,
+    )
+
+
+def pad_conditioning(conditioning: Conditioning, micro_batch_size: int) -> Conditioning:
+    """Pads to a multiple of `micro_batch_size` rows by repeating the last row."""
+    missing = -len(conditioning) % micro_batch_size
+    if missing == 0:
+        return conditioning
+    filler = torch.full((missing,), len(conditioning) - 1, dtype=torch.long)
+    return Conditioning(
+        {name: torch.cat([t, t[filler.to(t.device)]]) for name, t in conditioning.tensors.items()}
+    )
+
+
+def predict_velocity(
+    pipeline: RolloutPipeline,
+    x_t: torch.Tensor,
+    timestep: torch.Tensor,
+    padded_conditioning: Conditioning,
+    guidance_scale: float,
+) -> torch.Tensor:
+    """The pipeline's velocity for `(B, ...)` latents, computed on fixed-size micro-batches.
+
+    Args:
+        timestep: `()` the step's timestep, the same for every row.
+        padded_conditioning: the batch's conditioning after `pad_conditioning`.
+    """
+    micro_batch_size = pipeline.micro_batch_size
+    batch_size = x_t.shape[0]
+    padded_size = len(padded_conditioning)
+    x_padded = torch.cat([x_t, x_t.new_zeros((padded_size - batch_size, *x_t.shape[1:]))])
+    timesteps = timestep.to(pipeline.device).expand(micro_batch_size)
+    velocities = [
+        pipeline.predict_velocity(
+            x_padded[start : start + micro_batch_size],
+            timesteps,
+            padded_conditioning.rows(slice(start, start + micro_batch_size)),
+            guidance_scale,
+        )
+        for start in range(0, padded_size, micro_batch_size)
+    ]
+    return torch.cat(velocities)[:batch_size]
+
+
+def _draw_noise(generators: Sequence[torch.Generator], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Drawn per sample on the CPU so a sample's noise does not depend on its batch or device.
+    return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]).to(device)
+
+
+@torch.no_grad()
+def sample(
+    pipeline: RolloutPipeline,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    options: SamplingOptions,
+    negative_prompts: Sequence[str] | None = None,
+    mu: float | None = None,
+) -> RolloutBatch:
+    """Generates one sample per prompt and records its trajectory.
+
+    Args:
+        prompts: one prompt per sample (repeat a prompt to get several samples of it).
+        seeds: one seed per sample.
+        negative_prompts: one per sample; defaults to the empty prompt.
+        mu: the schedule's resolution-dependent shift, for schedulers that use dynamic shifting.
+
+    Returns:
+        A `RolloutBatch` holding the schedule once and one `SampleTrajectory` per prompt.
+    """
+    if len(prompts) == 0:
+        raise InvalidRequestError("prompt", "needs at least one prompt")
+    if len(seeds) != len(prompts):
+        raise InvalidRequestError("seed", f"needs one seed per sample: {len(seeds)} seeds for {len(prompts)} prompts")
+    seeds = [check_seed(seed) for seed in seeds]
+    negative_prompts = [""] * len(prompts) if negative_prompts is None else list(negative_prompts)
+    options = resolve_options(pipeline, options)
+    latent_shape = pipeline.latent_shape(options.height, options.width)
+    device = pipeline.device
+
+    conditioning = pipeline.encode_prompts(prompts, negative_prompts)
+    padded_conditioning = pad_conditioning(conditioning, pipeline.micro_batch_size)
+    schedule = ScheduleSnapshot.from_scheduler(pipeline.scheduler, options.num_inference_steps, mu=mu)
+    sigmas = schedule.sigmas.to(device)
+    generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in seeds]
+
+    num_steps = schedule.num_steps
+    kept_steps = set(options.kept_latent_steps())
+    x_t = _draw_noise(generators, latent_shape, device)
+    kept_latents = [x_t] if 0 in kept_steps else []
+    log_probs, velocities, means, noise_stds, noises = [], [], [], [], []
+    for step in range(num_steps):
+        v = predict_velocity(pipeline, x_t, schedule.timesteps[step], padded_conditioning, options.guidance_scale)
+        kind = options.transition_at(step)
+        noise = _draw_noise(generators, latent_shape, device) if kind.draws_noise else None
+        transition = take_step(
+            kind,
+            x_t,
+            v,
+            sigmas[step],
+            sigmas[step + 1],
+            eta=options.noise_level,
+            sigma_after_one=sigmas[1],
+            noise=noise,
+            log_prob_without_constants=options.log_prob_without_constants,
+        )
+        x_t = transition.x_next
+        if step + 1 in kept_steps:
+            kept_latents.append(x_t)
+        log_probs.append(transition.log_prob)
+        if options.debug:
+            velocities.append(v)
+            means.append(transition.mean)
+            noise_stds.append(transition.noise_std)
+            noises.append(torch.zeros_like(x_t) if noise is None else noise)
+
+    images = pipeline.decode(x_t)
+    log_probs = torch.stack(log_probs, dim=1).cpu()  # (B, T)
+    latents = torch.stack(kept_latents, dim=1).cpu()  # (B, K, ...)
+    latent_step_indices = torch.tensor(sorted(kept_steps), dtype=torch.int64)
+    if options.debug:
+        velocities, means, noises = (torch.stack(t, dim=1).cpu() for t in (velocities, means, noises))
+        noise_stds = torch.stack(noise_stds).cpu()  # (T,), shared by the batch's rows
+
+    # Every per-sample tensor is cloned out of the batch: a view would drag the whole batch's
+    # storage along wherever the sample is serialized.
+    samples = [
+        SampleTrajectory(
+            prompt=prompts[i],
+            negative_prompt=negative_prompts[i],
+            seed=seeds[i],
+            image=images[i].cpu().clone(),
+            final_latents=x_t[i].cpu().clone(),
+            log_probs=log_probs[i].clone(),
+            latents=latents[i].clone(),
+            latent_step_indices=latent_step_indices.clone(),
+            debug=StepDebug(velocities[i].clone(), means[i].clone(), noise_stds.clone(), noises[i].clone())
+            if options.debug
+            else None,
+            denoising_env=conditioning.row(i) if options.return_denoising_env else None,
+        )
+        for i in range(len(prompts))
+    ]
+    return RolloutBatch(schedule=schedule, options=options, samples=samples)

@@ -1,0 +1,125 @@
+"""One denoising transition x_t -> x_next of a flow-matching sampler, with its log-probability.
+
+The same function samples (given standard-normal noise) and scores (given the x_next that was
+taken), so a trainer replays a rollout with exactly the code that produced it. Everything is
+computed in fp32 whatever the model dtype: the log-density of a small-variance Gaussian is
+dominated by (x_next - mean)^2 / std^2, which bf16 cannot resolve.
+
+Notation: sigma = sigmas[i], sigma_next = sigmas[i + 1], dt = sigma_next - sigma (< 0), v is the
+model's velocity (after guidance), eta the noise level.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+class TransitionKind(str, enum.Enum):
+    SDE = "sde"  # Flow-GRPO's SDE, a Gaussian around a corrected Euler step
+    CPS = "cps"  # coefficients-preserving sampling
+    ODE = "ode"  # plain Euler, deterministic, draws no noise
+
+    @property
+    def draws_noise(self) -> bool:
+        return self is not TransitionKind.ODE
+
+
+@dataclass(frozen=True)
+class Transition:
+    """Result of one step for a batch of B samples; tensors are fp32.
+
+    Attributes:
+        x_next: `(B, ...)` the latents after the step.
+        mean: `(B, ...)` the mean of x_next given x_t.
+        noise_std: `()` standard deviation of x_next around `mean`; 0 for a deterministic step.
+        log_prob: `(B,)` mean over latent elements of the log-density of x_next; 0 when deterministic.
+    """
+
+    x_next: torch.Tensor
+    mean: torch.Tensor
+    noise_std: torch.Tensor
+    log_prob: torch.Tensor
+
+
+def transition_distribution(
+    kind: TransitionKind,
+    x_t: torch.Tensor,
+    v: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    eta: float,
+    sigma_after_one: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean `(B, ...)` and standard deviation `()` of x_next given x_t, in fp32.
+
+    Args:
+        sigma_after_one: `sigmas[1]`, used by the SDE in place of sigma where sigma == 1 to keep
+            sqrt(sigma / (1 - sigma)) finite at the first step.
+    """
+    x_t, v = x_t.float(), v.float()
+    sigma, sigma_next = sigma.float(), sigma_next.float()
+    dt = sigma_next - sigma
+    if kind is TransitionKind.ODE:
+        return x_t + dt * v, torch.zeros_like(sigma)
+    if kind is TransitionKind.SDE:
+        std = eta * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_after_one.float(), sigma)))
+        mean = x_t * (1 + std**2 * dt / (2 * sigma)) + v * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
+        return mean, std * torch.sqrt(-dt)
+    if kind is TransitionKind.CPS:
+        std = sigma_next * math.sin(eta * math.pi / 2)
+        x0_estimate = x_t - sigma * v
+        noise_estimate = x_t + (1 - sigma) * v
+        mean = x0_estimate * (1 - sigma_next) + noise_estimate * torch.sqrt(sigma_next**2 - std**2)
+        return mean, std
+    raise ValueError(f"unknown transition kind {kind!r}; expected one of {[k.value for k in TransitionKind]}")
+
+
+def gaussian_log_prob(
+    x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, without_constants: bool = False
+) -> torch.Tensor:
+    """Mean over the non-batch elements of log N(x_next; mean, std^2), shape `(B,)`.
+
+    `without_constants` drops -log(std) - log(sqrt(2 pi)), the terms that do not depend on the
+    model and cancel in a PPO ratio; the ratio is the same either way. A zero std means a
+    deterministic step, whose log-prob is defined as 0, like the ODE's.
+    """
+    reduce_dims = tuple(range(1, x_next.ndim))
+    if not bool(std > 0):
+        return torch.zeros(x_next.shape[0], dtype=torch.float32, device=x_next.device)
+    log_density = -((x_next.float() - mean) ** 2) / (2 * std**2)
+    if not without_constants:
+        log_density = log_density - torch.log(std) - _LOG_SQRT_2PI
+    return log_density.mean(dim=reduce_dims)
+
+
+def take_step(
+    kind: TransitionKind,
+    x_t: torch.Tensor,
+    v: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    *,
+    eta: float,
+    sigma_after_one: torch.Tensor,
+    noise: torch.Tensor | None = None,
+    x_next: torch.Tensor | None = None,
+    log_prob_without_constants: bool = False,
+) -> Transition:
+    """Samples x_next from standard-normal `noise`, or scores a given `x_next`: pass exactly one.
+
+    An ODE step takes neither: it is deterministic. The log-prob is always computed from x_next
+    (never from the noise), so sampling and scoring the same x_next give the same bits.
+    """
+    mean, std = transition_distribution(kind, x_t, v, sigma, sigma_next, eta, sigma_after_one)
+    if kind.draws_noise and (noise is None) == (x_next is None):
+        raise ValueError(f"a {kind.value} step needs exactly one of noise (to sample) or x_next (to score)")
+    if x_next is None:
+        x_next = mean if noise is None else mean + std * noise.float()
+    log_prob = gaussian_log_prob(x_next, mean, std, without_constants=log_prob_without_constants)
+    return Transition(x_next=x_next.float(), mean=mean, noise_std=std, log_prob=log_prob)

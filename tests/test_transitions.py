@@ -1,0 +1,166 @@
+"""The transitions against an independent float64 reference written from the formulas."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from rollout.schedule import ScheduleSnapshot
+from rollout.transitions import TransitionKind, gaussian_log_prob, take_step
+
+SCHEDULE = ScheduleSnapshot.from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0), 10)
+SHAPE = (3, 1, 4, 4)
+
+
+def reference_step(kind, x, v, s, s_next, eta, sigma_after_one, eps):
+    """float64 numpy: returns (mean, noise std of x_next, x_next)."""
+    dt = s_next - s
+    if kind == "ode":
+        mean = x + dt * v
+        return mean, 0.0, mean
+    if kind == "sde":
+        s_prime = sigma_after_one if s == 1 else s
+        std = eta * math.sqrt(s / (1 - s_prime))
+        mean = x * (1 + std**2 * dt / (2 * s)) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
+        noise_std = std * math.sqrt(-dt)
+    else:  # cps
+        std = s_next * math.sin(eta * math.pi / 2)
+        mean = (x - s * v) * (1 - s_next) + (x + (1 - s) * v) * math.sqrt(s_next**2 - std**2)
+        noise_std = std
+    return mean, noise_std, mean + noise_std * eps
+
+
+def reference_log_prob(x_next, mean, noise_std, without_constants):
+    if noise_std == 0:
+        return np.zeros(x_next.shape[0])
+    density = -((x_next - mean) ** 2) / (2 * noise_std**2)
+    if not without_constants:
+        density = density - math.log(noise_std) - 0.5 * math.log(2 * math.pi)
+    return density.reshape(x_next.shape[0], -1).mean(axis=1)
+
+
+def draw(seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(SHAPE, generator=g) for _ in range(3))
+
+
+@pytest.mark.parametrize("kind", list(TransitionKind))
+@pytest.mark.parametrize("step", [0, 1, 5, 9])
+@pytest.mark.parametrize("eta", [0.3, 0.7, 1.0])
+@pytest.mark.parametrize("without_constants", [False, True])
+def test_sampling_matches_the_reference(kind, step, eta, without_constants):
+    x, v, eps = draw(step)
+    sigmas = SCHEDULE.sigmas
+    transition = take_step(
+        kind,
+        x,
+        v,
+        sigmas[step],
+        sigmas[step + 1],
+        eta=eta,
+        sigma_after_one=sigmas[1],
+        noise=None if kind is TransitionKind.ODE else eps,
+        log_prob_without_constants=without_constants,
+    )
+    mean, noise_std, x_next = reference_step(
+        kind.value,
+        x.double().numpy(),
+        v.double().numpy(),
+        sigmas[step].item(),
+        sigmas[step + 1].item(),
+        eta,
+        sigmas[1].item(),
+        eps.double().numpy(),
+    )
+    np.testing.assert_allclose(transition.mean.numpy(), mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(transition.noise_std.item(), noise_std, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(transition.x_next.numpy(), x_next, rtol=1e-5, atol=1e-6)
+    expected = reference_log_prob(transition.x_next.double().numpy(), mean, noise_std, without_constants)
+    np.testing.assert_allclose(transition.log_prob.numpy(), expected, rtol=1e-4, atol=1e-4)
+    assert transition.log_prob.shape == (SHAPE[0],)
+    assert transition.x_next.dtype == transition.log_prob.dtype == torch.float32
+
+
+def test_sde_first_step_uses_sigma_after_one():
+    assert SCHEDULE.sigmas[0].item() == 1.0
+    x, v, eps = draw(0)
+    sigmas = SCHEDULE.sigmas
+    transition = take_step(
+        TransitionKind.SDE, x, v, sigmas[0], sigmas[1], eta=0.7, sigma_after_one=sigmas[1], noise=eps
+    )
+    expected_std = 0.7 * math.sqrt(1 / (1 - sigmas[1].item())) * math.sqrt(sigmas[0].item() - sigmas[1].item())
+    assert math.isfinite(transition.noise_std.item())
+    assert transition.noise_std.item() == pytest.approx(expected_std, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ode_is_bit_identical_to_the_diffusers_euler_step(dtype):
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    x, v, _ = draw(3)
+    x = x.to(dtype)
+    for step in range(10):
+        scheduler._step_index = step
+        expected = scheduler.step(v, scheduler.timesteps[step], x, return_dict=False)[0]
+        ours = take_step(
+            TransitionKind.ODE, x, v, scheduler.sigmas[step], scheduler.sigmas[step + 1],
+            eta=0.7, sigma_after_one=scheduler.sigmas[1],
+        )
+        assert torch.equal(ours.x_next, expected.float())
+        assert torch.equal(ours.log_prob, torch.zeros(SHAPE[0]))
+
+
+@pytest.mark.parametrize("kind", [TransitionKind.SDE, TransitionKind.CPS])
+def test_scoring_the_sampled_latent_gives_the_same_bits(kind):
+    x, v, eps = draw(7)
+    sigmas = SCHEDULE.sigmas
+    common = dict(eta=0.7, sigma_after_one=sigmas[1])
+    sampled = take_step(kind, x, v, sigmas[4], sigmas[5], noise=eps, **common)
+    scored = take_step(kind, x, v, sigmas[4], sigmas[5], x_next=sampled.x_next.clone(), **common)
+    assert torch.equal(sampled.log_prob, scored.log_prob)
+    assert torch.equal(sampled.mean, scored.mean)
+
+
+def test_log_prob_without_constants_leaves_the_ratio_unchanged():
+    x, v, eps = draw(8)
+    sigmas = SCHEDULE.sigmas
+    common = dict(eta=0.7, sigma_after_one=sigmas[1], noise=eps)
+    full = take_step(TransitionKind.SDE, x, v, sigmas[2], sigmas[3], **common)
+    shifted_v = v + 0.01
+    full_other = take_step(TransitionKind.SDE, x, shifted_v, sigmas[2], sigmas[3], x_next=full.x_next, eta=0.7, sigma_after_one=sigmas[1])
+    bare = take_step(TransitionKind.SDE, x, v, sigmas[2], sigmas[3], log_prob_without_constants=True, **common)
+    bare_other = take_step(
+        TransitionKind.SDE, x, shifted_v, sigmas[2], sigmas[3], x_next=full.x_next, eta=0.7,
+        sigma_after_one=sigmas[1], log_prob_without_constants=True,
+    )
+    torch.testing.assert_close(full_other.log_prob - full.log_prob, bare_other.log_prob - bare.log_prob)
+
+
+def test_zero_noise_is_deterministic_with_zero_log_prob():
+    x, v, eps = draw(9)
+    sigmas = SCHEDULE.sigmas
+    last = SCHEDULE.num_steps - 1
+    # cps at the last step has std = sigma_next * sin(...) = 0; an sde with eta = 0 is the ODE.
+    for kind, eta, step in [(TransitionKind.CPS, 0.7, last), (TransitionKind.SDE, 0.0, 3)]:
+        t = take_step(kind, x, v, sigmas[step], sigmas[step + 1], eta=eta, sigma_after_one=sigmas[1], noise=eps)
+        assert t.noise_std.item() == 0.0
+        assert torch.equal(t.x_next, t.mean)
+        assert torch.equal(t.log_prob, torch.zeros(SHAPE[0]))
+
+
+def test_a_stochastic_step_needs_exactly_one_of_noise_or_x_next():
+    x, v, eps = draw(10)
+    sigmas = SCHEDULE.sigmas
+    with pytest.raises(ValueError, match="exactly one"):
+        take_step(TransitionKind.SDE, x, v, sigmas[0], sigmas[1], eta=0.7, sigma_after_one=sigmas[1])
+    with pytest.raises(ValueError, match="exactly one"):
+        take_step(TransitionKind.SDE, x, v, sigmas[0], sigmas[1], eta=0.7, sigma_after_one=sigmas[1], noise=eps, x_next=x)
+
+
+def test_gaussian_log_prob_is_a_per_sample_mean():
+    x = torch.zeros(2, 3)
+    log_prob = gaussian_log_prob(x, torch.zeros(2, 3), torch.tensor(1.0))
+    assert log_prob.shape == (2,)
+    assert log_prob[0].item() == pytest.approx(-0.5 * math.log(2 * math.pi))
