@@ -22,6 +22,10 @@ class InvalidRequestError(RolloutError, ValueError):
         self.reason = reason
         super().__init__(f"{field}: {reason}")
 
+    def __reduce__(self):
+        # Errors cross process boundaries (Ray pickles them); rebuild from both fields.
+        return (type(self), (self.field, self.reason))
+
 
 class UnknownPromptError(InvalidRequestError):
     """The model does not know how to condition on this prompt."""

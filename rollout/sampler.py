@@ -157,6 +157,7 @@ def sample(
     # storage along wherever the sample is serialized.
     samples = [
         SampleTrajectory(
+            schedule=schedule,
             prompt=prompts[i],
             negative_prompt=negative_prompts[i],
             seed=seeds[i],

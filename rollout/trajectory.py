@@ -2,12 +2,16 @@
 
 Per-sample data (latents, log-probs, seed, image) lives in `SampleTrajectory`; per-request data
 (the schedule, the options) lives once in `RolloutBatch`. No code ever has to guess from a
-tensor's shape which kind it holds.
+tensor's shape which kind it holds. Each sample refers to its request's one `ScheduleSnapshot`
+object; pickling keeps that sharing, so the schedule crosses a process boundary once and the
+samples still refer to one object on the other side.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -44,10 +48,12 @@ class SampleTrajectory:
         log_probs: `(T,)` fp32, log-prob of the transition taken at each step (0 on ODE steps).
         latents: `(K, *latent_shape)` fp32, the kept latents.
         latent_step_indices: `(K,)` int64, the absolute step of each kept latent (T is x_T).
+        schedule: the request's schedule, the same object for every sample of the request.
         debug: per-step internals, when asked for.
         denoising_env: this sample's conditioning tensors (no batch dimension), when asked for.
     """
 
+    schedule: ScheduleSnapshot
     prompt: str
     negative_prompt: str
     seed: int
@@ -67,3 +73,31 @@ class RolloutBatch:
     schedule: ScheduleSnapshot
     options: SamplingOptions
     samples: list[SampleTrajectory] = field(default_factory=list)
+
+    def __post_init__(self):
+        if any(s.schedule is not self.schedule for s in self.samples):
+            raise ValueError("every sample of a batch must refer to the batch's schedule object")
+
+    def subset(self, indices: Sequence[int]) -> "RolloutBatch":
+        """The samples at `indices`, sharing this batch's schedule."""
+        return RolloutBatch(self.schedule, self.options, [self.samples[i] for i in indices])
+
+    @classmethod
+    def concat(cls, parts: Sequence["RolloutBatch"]) -> "RolloutBatch":
+        """Joins batches sampled with the same options and a bit-identical schedule.
+
+        The result keeps the first part's schedule object and points every sample at it, so the
+        joined batch still carries its schedule once.
+        """
+        first = parts[0]
+        for part in parts[1:]:
+            if part.options != first.options:
+                raise ValueError(f"cannot join batches with different options: {first.options} != {part.options}")
+            if not part.schedule.equals(first.schedule):
+                raise ValueError("cannot join batches whose schedules differ")
+        samples = [
+            sample if sample.schedule is first.schedule else dataclasses.replace(sample, schedule=first.schedule)
+            for part in parts
+            for sample in part.samples
+        ]
+        return cls(first.schedule, first.options, samples)

@@ -208,3 +208,30 @@ def test_options_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.num_inference_steps = 3
     assert options.sde_type is TransitionKind.SDE
+
+
+def test_samples_share_one_schedule_object_across_pickling(random_pipeline):
+    import pickle
+
+    one = run(random_pipeline, ["3"], [1], num_inference_steps=7)
+    many = run(random_pipeline, ["3"] * 8, list(range(1, 9)), num_inference_steps=7)
+    assert all(s.schedule is many.schedule for s in many.samples)
+
+    restored = pickle.loads(pickle.dumps(many))
+    assert all(s.schedule is restored.schedule for s in restored.samples)
+    assert torch.equal(restored.schedule.sigmas, many.schedule.sigmas)
+    # The schedule is paid for once: 8 samples cost 8 samples, not 8 schedules more.
+    schedule_size = len(pickle.dumps(many.schedule))
+    per_sample = len(pickle.dumps(one.samples[0])) - schedule_size
+    assert len(pickle.dumps(many)) < len(pickle.dumps(one)) + 7 * per_sample + schedule_size // 2
+
+
+def test_concat_keeps_one_schedule_and_refuses_mismatches(random_pipeline):
+    a = run(random_pipeline, ["3", "4"], [1, 2], num_inference_steps=3)
+    b = run(random_pipeline, ["5"], [3], num_inference_steps=3)
+    joined = type(a).concat([a, b])
+    assert [s.seed for s in joined.samples] == [1, 2, 3]
+    assert all(s.schedule is a.schedule for s in joined.samples)
+    assert joined.subset([2]).samples[0].schedule is a.schedule
+    with pytest.raises(ValueError, match="options"):
+        type(a).concat([a, run(random_pipeline, ["5"], [3], num_inference_steps=4)])

@@ -67,6 +67,11 @@ class RolloutPipeline(Protocol):
         """
         ...
 
+    def check_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> None:
+        """Raises `UnknownPromptError` naming ``prompt`` or ``negative_prompt`` for a prompt the
+        model cannot condition on, without encoding anything (servers check before batching)."""
+        ...
+
     def encode_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> Conditioning:
         """Encodes one prompt (and one negative prompt) per sample.
 

@@ -184,11 +184,21 @@ class DigitFlowPipeline:
                 )
         return (1, IMAGE_SIZE, IMAGE_SIZE)
 
-    def encode_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> Conditioning:
+    def _class_ids(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> tuple[list[int], list[int]]:
         if len(prompts) != len(negative_prompts):
             raise InvalidRequestError("negative_prompt", "needs one entry per prompt")
-        positive = torch.tensor([parse_digit_prompt(p, "prompt") for p in prompts], device=self.device)
-        negative = torch.tensor([parse_digit_prompt(p, "negative_prompt") for p in negative_prompts], device=self.device)
+        return (
+            [parse_digit_prompt(p, "prompt") for p in prompts],
+            [parse_digit_prompt(p, "negative_prompt") for p in negative_prompts],
+        )
+
+    def check_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> None:
+        self._class_ids(prompts, negative_prompts)
+
+    def encode_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> Conditioning:
+        positive_ids, negative_ids = self._class_ids(prompts, negative_prompts)
+        positive = torch.tensor(positive_ids, device=self.device)
+        negative = torch.tensor(negative_ids, device=self.device)
         with torch.no_grad():
             prompt_embeds, pooled = self.prompt_encoder(positive)
             negative_embeds, negative_pooled = self.prompt_encoder(negative)

@@ -1,0 +1,1 @@
+"""The Ray Serve layer over `rollout`: worker replicas, the ingress, and the app builder."""

@@ -1,0 +1,37 @@
+"""Builds the Serve application: `serve run deployments.app:build_app` serves the embedded model.
+
+    serve run deployments.app:build_app                       # embedded model, 127.0.0.1:8000
+    serve run deployments.app:build_app num_worker_replicas=1 # Serve passes key=value args
+    serve run deployments/serve_config.yaml                   # the same, from a config file
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import torch
+from ray.serve import Application
+
+from deployments.config import RolloutAppConfig
+from deployments.ingress import RolloutIngress
+from deployments.worker import RolloutWorker
+
+
+def _worker_gpus(config: RolloutAppConfig) -> float:
+    if config.worker_num_gpus is not None:
+        return config.worker_num_gpus
+    if ray.is_initialized():
+        return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    return 1.0 if torch.cuda.is_available() else 0.0
+
+
+def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Application:
+    """The ingress bound to `num_worker_replicas` workers; `args` is validated as `RolloutAppConfig`."""
+    config = args if isinstance(args, RolloutAppConfig) else RolloutAppConfig.model_validate(args or {})
+    worker = RolloutWorker.options(
+        num_replicas=config.num_worker_replicas,
+        max_ongoing_requests=config.max_ongoing_requests_per_worker(),
+        ray_actor_options={"num_cpus": config.worker_num_cpus, "num_gpus": _worker_gpus(config)},
+    ).bind(config)
+    return RolloutIngress.options(ray_actor_options={"num_cpus": config.ingress_num_cpus}).bind(worker, config)

@@ -1,0 +1,41 @@
+"""The application's configuration; `build_app` validates YAML and Python input the same way."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.api import RequestLimits
+from rollout.models.registry import EMBEDDED_MODEL
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(EMBEDDED_MODEL, description="Model family, as `rollout.models.registry` knows it.")
+    path: str | None = Field(None, description="Local directory to load from; None takes the packaged weights.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Model weights' dtype.")
+
+
+class RolloutAppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    app_name: str = Field("rollout", description="Serve application name, for `serve.get_app_handle`.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    weight_version: str = Field("0", description="Reported with every sample, for off-policy bookkeeping.")
+    num_worker_replicas: int = Field(2, ge=1, description="Worker replicas, one pipeline each.")
+    worker_num_cpus: float = Field(0.5, gt=0, description="CPUs each worker replica reserves.")
+    worker_num_gpus: float | None = Field(
+        None, ge=0, description="GPUs each worker replica reserves; None: 1 if the cluster has GPUs, else 0."
+    )
+    worker_torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per worker replica.")
+    ingress_num_cpus: float = Field(0.25, gt=0, description="CPUs the ingress replica reserves.")
+    max_batch_size: int = Field(32, ge=1, description="Most samples in one sampler call on a worker.")
+    batch_wait_timeout_s: float = Field(0.01, ge=0, description="How long a worker waits to fill a batch.")
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+
+    def max_ongoing_requests_per_worker(self) -> int:
+        # Serve caps a replica's batch at its ongoing requests: allow a full batch of
+        # one-sample requests plus as many queued behind it.
+        return 2 * self.max_batch_size

@@ -1,0 +1,131 @@
+"""`RolloutIngress`: validates requests, fans them out over the workers, assembles responses.
+
+Two front doors share one path: HTTP (`POST /rollout/generate`, msgpack or JSON) and the
+deployment handle (`generate`, for RL loops inside the cluster).
+"""
+
+# No `from __future__ import annotations` here: FastAPI must see the route parameters' real
+# types, and `serve.ingress` rebuilds the routes where string annotations no longer resolve.
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments.config import RolloutAppConfig
+from deployments.worker import WorkerResult
+from rollout.api import RolloutPlan, RolloutRequest, parse_request, plan_rollout, response_rows
+from rollout.codec import CodecError, from_json, from_msgpack, to_json, to_msgpack
+from rollout.errors import InvalidRequestError, RolloutError
+from rollout.trajectory import RolloutBatch
+
+logger = logging.getLogger("ray.serve")
+MSGPACK = "application/msgpack"
+
+app = FastAPI(title="diffusion rollout server")
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """What the handle's `generate` returns: the request's parts, still in the object store.
+
+    The ingress never unpacks a worker's tensors on this path; `batch()` fetches the parts
+    straight from the workers and joins them into one `RolloutBatch` (one schedule, samples in
+    request order, sample i of prompt i // num_outputs_per_prompt).
+    """
+
+    request_id: str
+    seed: int
+    num_outputs_per_prompt: int
+    weight_version: str
+    parts: list[ray.ObjectRef]
+
+    def worker_results(self, timeout_s: float | None = None) -> list[WorkerResult]:
+        return ray.get(self.parts, timeout=timeout_s)
+
+    def batch(self, timeout_s: float | None = None) -> RolloutBatch:
+        return RolloutBatch.concat([part.batch for part in self.worker_results(timeout_s)])
+
+    async def batch_async(self) -> RolloutBatch:
+        return RolloutBatch.concat([part.batch for part in await asyncio.gather(*self.parts)])
+
+
+def _error_response(status: int, field: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"field": field, "message": message}})
+
+
+def _as_rollout_error(error: BaseException) -> RolloutError | None:
+    """The library error behind an exception raised in a worker replica, if there is one."""
+    while error is not None:
+        if isinstance(error, RolloutError) and not isinstance(error, ray.exceptions.RayError):
+            return error
+        error = getattr(error, "cause", None) or error.__cause__
+    return None
+
+
+@serve.deployment
+@serve.ingress(app)
+class RolloutIngress:
+    def __init__(self, worker: DeploymentHandle, config: RolloutAppConfig):
+        self.worker = worker
+        self.config = config
+        self._worker_info: dict | None = None
+
+    def _plan(self, request: RolloutRequest | dict[str, Any]) -> RolloutPlan:
+        return plan_rollout(parse_request(request), self.config.limits)
+
+    def _dispatch(self, plan: RolloutPlan) -> list:
+        # Chunks small enough that every replica gets a share, and no larger than a worker batch.
+        per_replica = math.ceil(plan.num_samples / self.config.num_worker_replicas)
+        chunk_size = max(1, min(self.config.max_batch_size, per_replica))
+        return [self.worker.generate.remote(work) for work in plan.work(chunk_size)]
+
+    async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
+        """Handle API: validates and fans out; raises `InvalidRequestError` naming a bad field."""
+        plan = self._plan(request)
+        parts = [await response._to_object_ref() for response in self._dispatch(plan)]
+        return RolloutResult(
+            plan.request_id, plan.seed, plan.request.num_outputs_per_prompt, self.config.weight_version, parts
+        )
+
+    async def info(self) -> dict:
+        if self._worker_info is None:
+            self._worker_info = await self.worker.info.remote()
+        return {**self._worker_info, "limits": self.config.limits.model_dump(), "max_batch_size": self.config.max_batch_size}
+
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/rollout/info")
+    async def http_info(self) -> dict:
+        return await self.info()
+
+    @app.post("/rollout/generate")
+    async def http_generate(self, http_request: Request) -> Response:
+        start = time.perf_counter()
+        body = await http_request.body()
+        try:
+            data = (from_msgpack if MSGPACK in http_request.headers.get("content-type", "") else from_json)(body)
+            plan = self._plan(data)
+            results: list[WorkerResult] = await asyncio.gather(*self._dispatch(plan))
+        except CodecError as error:
+            return _error_response(400, "body", str(error))
+        except Exception as error:
+            rollout_error = _as_rollout_error(error)
+            if isinstance(rollout_error, InvalidRequestError):
+                return _error_response(422, rollout_error.field, str(rollout_error))
+            logger.exception("rollout request failed")
+            return _error_response(500, "", f"{type(error).__name__}: {error}")
+        batch = RolloutBatch.concat([result.batch for result in results])
+        rows = response_rows(plan, batch, self.config.weight_version, time.perf_counter() - start)
+        if "application/json" in http_request.headers.get("accept", ""):
+            return Response(to_json(rows), media_type="application/json")
+        return Response(to_msgpack(rows), media_type=MSGPACK)

@@ -1,0 +1,107 @@
+"""`RolloutWorker`: a replica that owns one pipeline and batches sampling work across requests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from ray import serve
+
+from deployments.config import RolloutAppConfig
+from rollout.api import SamplingWork
+from rollout.errors import InvalidRequestError
+from rollout.models.registry import load_pipeline
+from rollout.sampler import sample
+from rollout.trajectory import RolloutBatch
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """A worker's answer to one `SamplingWork`.
+
+    Attributes:
+        batch: the work's samples, all referring to one schedule object.
+        sampler_batch_size: samples in the sampler call that produced them (shows batching).
+        inference_time_s: wall time of that sampler call.
+    """
+
+    batch: RolloutBatch
+    sampler_batch_size: int
+    inference_time_s: float
+
+
+def _count_samples(works: list[SamplingWork]) -> int:
+    # Must never raise: Serve hangs the replica if it does.
+    return sum(len(getattr(work, "seeds", ())) for work in works)
+
+
+@serve.deployment
+class RolloutWorker:
+    def __init__(self, config: RolloutAppConfig):
+        if config.worker_torch_threads is not None:
+            torch.set_num_threads(config.worker_torch_threads)
+        dtype = getattr(torch, config.model.dtype)
+        self.pipeline = load_pipeline(config.model.name, config.model.path, dtype=dtype)
+        self.config = config
+        self._sample_batched.set_max_batch_size(config.max_batch_size)
+        self._sample_batched.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+
+    def info(self) -> dict:
+        scheduler = self.pipeline.scheduler
+        return {
+            "model": self.pipeline.name,
+            "weight_version": self.config.weight_version,
+            "scheduler": {"class_name": type(scheduler).__name__, "config": dict(scheduler.config)},
+            "default_height": self.pipeline.default_height,
+            "default_width": self.pipeline.default_width,
+            "default_guidance_scale": self.pipeline.default_guidance_scale,
+            "device": str(self.pipeline.device),
+        }
+
+    async def generate(self, work: SamplingWork) -> WorkerResult:
+        """Samples `work`, batched with whatever compatible work arrives meanwhile."""
+        # Checked here, before batching: one bad request must not fail the others in its batch.
+        if len(work) > self.config.max_batch_size:
+            raise InvalidRequestError("num_outputs_per_prompt", f"a worker takes at most {self.config.max_batch_size} samples at once")
+        self.pipeline.check_prompts(work.prompts, work.negative_prompts)
+        self.pipeline.latent_shape(
+            work.options.height or self.pipeline.default_height, work.options.width or self.pipeline.default_width
+        )
+        result = await self._sample_batched(work)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01, batch_size_fn=_count_samples)
+    async def _sample_batched(self, works: list[SamplingWork]) -> list[WorkerResult | Exception]:
+        # Only work with equal options (steps, size, transition, filters) shares a sampler call.
+        groups: dict = defaultdict(list)
+        for position, work in enumerate(works):
+            groups[work.options].append(position)
+        results: list[WorkerResult | Exception] = [None] * len(works)  # type: ignore[list-item]
+        for options, positions in groups.items():
+            group = [works[p] for p in positions]
+            prompts = [prompt for work in group for prompt in work.prompts]
+            negatives = [prompt for work in group for prompt in work.negative_prompts]
+            seeds = [seed for work in group for seed in work.seeds]
+            start = time.perf_counter()
+            try:
+                batch = await asyncio.to_thread(sample, self.pipeline, prompts, seeds, options, negatives)
+            except Exception as error:  # reported to each request of the group, the others go on
+                logger.exception("sampling failed for %d requests", len(group))
+                for p in positions:
+                    results[p] = error
+                continue
+            elapsed = time.perf_counter() - start
+            offset = 0
+            for p, work in zip(positions, group):
+                part = batch.subset(range(offset, offset + len(work)))
+                results[p] = WorkerResult(part, sampler_batch_size=len(seeds), inference_time_s=elapsed)
+                offset += len(work)
+        return results
