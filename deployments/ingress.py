@@ -81,16 +81,22 @@ class RolloutIngress:
     def _plan(self, request: RolloutRequest | dict[str, Any]) -> RolloutPlan:
         return plan_rollout(parse_request(request), self.config.limits)
 
-    def _dispatch(self, plan: RolloutPlan) -> list:
+    async def _dispatch(self, plan: RolloutPlan) -> list[ray.ObjectRef]:
+        """Sends the plan's work to the workers; references to their results, in sample order."""
         # Chunks small enough that every replica gets a share, and no larger than a worker batch.
         per_replica = math.ceil(plan.num_samples / self.config.num_worker_replicas)
         chunk_size = max(1, min(self.config.max_batch_size, per_replica))
-        return [self.worker.generate.remote(work) for work in plan.work(chunk_size)]
+        refs = []
+        for work in plan.work(chunk_size):
+            # Waiting for each chunk's replica assignment lets the router see that replica's
+            # new load before it places the next chunk, which spreads a request's chunks.
+            refs.append(await self.worker.generate.remote(work)._to_object_ref())
+        return refs
 
     async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
         """Handle API: validates and fans out; raises `InvalidRequestError` naming a bad field."""
         plan = self._plan(request)
-        parts = [await response._to_object_ref() for response in self._dispatch(plan)]
+        parts = await self._dispatch(plan)
         return RolloutResult(
             plan.request_id, plan.seed, plan.request.num_outputs_per_prompt, self.config.weight_version, parts
         )
@@ -115,7 +121,7 @@ class RolloutIngress:
         try:
             data = (from_msgpack if MSGPACK in http_request.headers.get("content-type", "") else from_json)(body)
             plan = self._plan(data)
-            results: list[WorkerResult] = await asyncio.gather(*self._dispatch(plan))
+            results: list[WorkerResult] = await asyncio.gather(*await self._dispatch(plan))
         except CodecError as error:
             return _error_response(400, "body", str(error))
         except Exception as error:

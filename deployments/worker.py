@@ -29,11 +29,13 @@ class WorkerResult:
         batch: the work's samples, all referring to one schedule object.
         sampler_batch_size: samples in the sampler call that produced them (shows batching).
         inference_time_s: wall time of that sampler call.
+        replica: the worker replica that sampled them.
     """
 
     batch: RolloutBatch
     sampler_batch_size: int
     inference_time_s: float
+    replica: str
 
 
 def _count_samples(works: list[SamplingWork]) -> int:
@@ -49,6 +51,7 @@ class RolloutWorker:
         dtype = getattr(torch, config.model.dtype)
         self.pipeline = load_pipeline(config.model.name, config.model.path, dtype=dtype)
         self.config = config
+        self.replica = serve.get_replica_context().replica_id.unique_id
         self._sample_batched.set_max_batch_size(config.max_batch_size)
         self._sample_batched.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
 
@@ -102,6 +105,6 @@ class RolloutWorker:
             offset = 0
             for p, work in zip(positions, group):
                 part = batch.subset(range(offset, offset + len(work)))
-                results[p] = WorkerResult(part, sampler_batch_size=len(seeds), inference_time_s=elapsed)
+                results[p] = WorkerResult(part, len(seeds), elapsed, self.replica)
                 offset += len(work)
         return results

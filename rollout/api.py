@@ -73,9 +73,10 @@ def parse_request(data: RolloutRequest | dict[str, Any]) -> RolloutRequest:
     except ValidationError as e:
         # The deepest error is the most specific one (a union reports one error per branch).
         error = max(e.errors(include_url=False), key=lambda error: len(error["loc"]))
-        # Union branches show up in the location as type names; keep field names and indices.
-        path = [str(p) for p in error["loc"] if isinstance(p, int) or p in RolloutRequest.model_fields]
-        field = ".".join(path) or "body"
+        # The request is flat: the location is a field name (known or not), then union branches
+        # (type names, dropped) and list indices (kept).
+        first, *rest = error["loc"] or ("body",)
+        field = ".".join([str(first)] + [str(part) for part in rest if isinstance(part, int)])
         value = "" if error["type"] == "missing" else f", got {error['input']!r}"
         raise InvalidRequestError(field, f"{error['msg']}{value}") from None
 

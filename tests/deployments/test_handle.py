@@ -1,0 +1,117 @@
+"""The deployment-handle API, as an RL loop inside the cluster uses it."""
+
+import asyncio
+import dataclasses
+
+import pytest
+import ray
+import torch
+
+from rollout.api import RolloutRequest
+from rollout.errors import InvalidRequestError, UnknownPromptError
+from rollout.options import SamplingOptions
+from rollout.replay import replay_log_probs
+from rollout.models.registry import load_pipeline
+from rollout.schedule import ScheduleSnapshot
+
+
+def test_typed_result_with_one_schedule(handle):
+    request = RolloutRequest(prompt=["1", "2", "3"], num_outputs_per_prompt=3, num_inference_steps=8, seed=50)
+    result = handle.generate.remote(request).result()
+    assert result.seed == 50 and result.weight_version == "test-v1"
+    batch = result.batch()
+    assert [s.seed for s in batch.samples] == list(range(50, 59))
+    assert [s.prompt for s in batch.samples] == ["1"] * 3 + ["2"] * 3 + ["3"] * 3
+    assert all(s.schedule is batch.schedule for s in batch.samples)
+    assert batch.schedule.sigmas.shape == (9,)
+    assert batch.options.num_inference_steps == 8 and batch.options.guidance_scale == 2.0
+
+
+def test_requests_fan_out_over_both_replicas(handle):
+    result = handle.generate.remote({"prompt": ["4", "5"], "num_outputs_per_prompt": 8, "num_inference_steps": 2}).result()
+    parts = result.worker_results()
+    assert len(parts) == 2
+    assert len({part.replica for part in parts}) == 2
+    assert [len(part.batch.samples) for part in parts] == [8, 8]
+
+
+def test_a_part_carries_its_schedule_once_across_the_object_store(handle):
+    body = {"prompt": "7", "num_outputs_per_prompt": 8, "num_inference_steps": 50, "seed": 1}
+    ref = handle.generate.remote(body).result().parts[0]  # 4 of the 8 samples
+    part = ray.get(ref)
+    samples = part.batch.samples
+    # Identity survives the trip: every sample refers to the one schedule object.
+    assert len(samples) == 4 and all(s.schedule is part.batch.schedule for s in samples)
+
+    serializer = ray._private.worker.global_worker.get_serialization_context()
+
+    def serialized_size(value) -> int:
+        return serializer.serialize(value).total_bytes
+
+    def own_copy(sample):
+        schedule = ScheduleSnapshot(sample.schedule.sigmas.clone(), sample.schedule.timesteps.clone())
+        return dataclasses.replace(sample, schedule=schedule)
+
+    stored = ray.experimental.get_object_locations([ref])[ref]["object_size"]
+    # What was stored is what the shared structure serializes to...
+    assert abs(stored - serialized_size(part)) <= 64, (stored, serialized_size(part))
+    # ...and had each sample carried its own schedule, the samples would weigh 3 schedules more.
+    extra = serialized_size([own_copy(s) for s in samples]) - serialized_size(list(samples))
+    assert extra > 3 * serialized_size(part.batch.schedule) // 2, extra
+
+
+def test_concurrent_requests_are_batched(handle):
+    bodies = [{"prompt": str(i % 10), "num_inference_steps": 6, "seed": 700 + i} for i in range(16)]
+    results = [response.result() for response in [handle.generate.remote(b) for b in bodies]]
+    parts = [r.worker_results()[0] for r in results]
+    sizes = [part.sampler_batch_size for part in parts]
+    assert max(sizes) > 1, sizes
+    # 16 one-sample requests took far fewer than 16 sampler calls.
+    calls = sum(1 / size for size in sizes)
+    assert calls <= 8, sizes
+
+
+def test_on_policy_replay_of_a_served_rollout_is_exact(handle):
+    result = handle.generate.remote({"prompt": ["3", "8"], "num_outputs_per_prompt": 2, "num_inference_steps": 5}).result()
+    batch = result.batch()
+    trainer_model = load_pipeline()  # the trainer's own copy of the served weights
+    replayed = replay_log_probs(trainer_model, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+
+
+def test_async_use_inside_an_event_loop(handle):
+    async def rl_step():
+        responses = [handle.generate.remote({"prompt": "6", "seed": s, "num_inference_steps": 3}) for s in (1, 2)]
+        results = await asyncio.gather(*responses)
+        return await asyncio.gather(*(r.batch_async() for r in results))
+
+    batches = asyncio.run(rl_step())
+    assert [b.samples[0].seed for b in batches] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "body,error,field",
+    [
+        ({"prompt": "7", "num_outputs_per_prompt": 0}, InvalidRequestError, "num_outputs_per_prompt"),
+        ({"prompt": "7", "num_inference_steps": 51}, InvalidRequestError, "num_inference_steps"),
+        ({"prompt": "7", "rollout_noise_level": float("nan")}, InvalidRequestError, "rollout_noise_level"),
+        ({"prompt": "7", "bogus": 1}, InvalidRequestError, "bogus"),
+    ],
+)
+def test_bad_handle_requests_raise_typed_errors(handle, body, error, field):
+    with pytest.raises(error) as info:
+        handle.generate.remote(body).result()
+    assert info.value.field == field
+
+
+def test_unknown_prompts_raise_when_the_parts_are_fetched(handle):
+    result = handle.generate.remote({"prompt": "a dog"}).result()
+    with pytest.raises(UnknownPromptError) as info:
+        result.batch()
+    assert info.value.field == "prompt"
+    assert handle.generate.remote({"prompt": "7", "num_inference_steps": 2}).result().batch().samples
+
+
+def test_sampling_options_match_the_library(handle):
+    batch = handle.generate.remote({"prompt": "2", "num_inference_steps": 4, "rollout_sde_type": "cps"}).result().batch()
+    assert batch.options == SamplingOptions(num_inference_steps=4, height=16, width=16, guidance_scale=2.0, sde_type="cps")
