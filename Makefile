@@ -7,7 +7,7 @@ setup:
 	VENV=$(VENV) scripts/setup.sh
 
 demo: setup
-	$(PYTHON) examples/generate_rollouts.py --output outputs/demo
+	$(PYTHON) examples/serve_demo.py --output outputs/demo
 
 test: setup
 	$(PYTHON) -m pytest

@@ -15,9 +15,8 @@ import copy
 import re
 from pathlib import Path
 
-import pytest
-
 import jsonschema
+import pytest
 import ray.autoscaler._private.util as ray_util
 import yaml
 

@@ -4,9 +4,8 @@ several seconds here)."""
 import socket
 
 import pytest
-import requests
-
 import ray
+import requests
 from ray import serve
 
 from deployments.app import build_app

@@ -9,9 +9,9 @@ import torch
 
 from rollout.api import RolloutRequest
 from rollout.errors import InvalidRequestError, UnknownPromptError
+from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
-from rollout.models.registry import load_pipeline
 from rollout.schedule import ScheduleSnapshot
 
 
