@@ -5,6 +5,7 @@ import socket
 import pytest
 
 from rollout.errors import UnknownPromptError
+from rollout.models.base import RolloutPipeline
 from rollout.models.digit_classifier import DigitClassifier
 from rollout.models.digits import DEFAULT_WEIGHTS, UNCONDITIONAL_CLASS, DigitFlowPipeline, parse_digit_prompt
 from rollout.options import SamplingOptions
@@ -27,6 +28,11 @@ def test_loads_without_network(monkeypatch):
     classifier = DigitClassifier.from_pretrained()
     assert pipeline.transformer.config.in_channels == 1
     assert classifier.head.out_features == 10
+
+
+def test_implements_the_pipeline_protocol(embedded_pipeline):
+    assert isinstance(embedded_pipeline, RolloutPipeline)
+    assert embedded_pipeline.micro_batch_size >= 1
 
 
 def test_classifier_held_out_accuracy():

@@ -56,6 +56,9 @@ class RolloutPipeline(Protocol):
     default_guidance_scale: float
     default_height: int
     default_width: int
+    # The sampler always calls `predict_velocity` with exactly this many rows (padding the last
+    # call), so a sample's bits never depend on what it was batched with.
+    micro_batch_size: int
 
     @property
     def device(self) -> torch.device: ...
