@@ -86,7 +86,8 @@ class RolloutWorker:
             raise result
         return result
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01, batch_size_fn=_count_samples)
+    # The size and wait given here are replaced from the config in __init__.
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.05, batch_size_fn=_count_samples)
     async def _sample_batched(self, works: list[SamplingWork]) -> list[WorkerResult | Exception]:
         # Only work with equal options (steps, size, transition, filters) shares a sampler call.
         groups: dict = defaultdict(list)
