@@ -161,12 +161,12 @@ def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str
     seed = secrets.randbelow(2**31) if request.seed is None else request.seed
     if seed + num_samples - 1 > MAX_SEED:
         raise InvalidRequestError("seed", f"seed + number of samples - 1 must be <= {MAX_SEED}")
+    common = dict(
+        num_inference_steps=steps, height=request.height, width=request.width, guidance_scale=request.guidance_scale
+    )
     if request.rollout:
         options = SamplingOptions(
-            num_inference_steps=steps,
-            height=request.height,
-            width=request.width,
-            guidance_scale=request.guidance_scale,
+            **common,
             sde_type=TransitionKind(request.rollout_sde_type),
             noise_level=request.rollout_noise_level,
             log_prob_without_constants=request.rollout_log_prob_no_const,
@@ -175,15 +175,8 @@ def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str
             debug=request.rollout_debug_mode,
             return_denoising_env=request.rollout_return_denoising_env,
         )
-    else:
-        options = SamplingOptions(
-            num_inference_steps=steps,
-            height=request.height,
-            width=request.width,
-            guidance_scale=request.guidance_scale,
-            sde_type=TransitionKind.ODE,
-            return_step_indices=[steps],
-        )
+    else:  # evaluation: the deterministic sampler, keeping only the final latent
+        options = SamplingOptions(**common, sde_type=TransitionKind.ODE, return_step_indices=[steps])
     return RolloutPlan(request_id or secrets.token_hex(8), request, seed, options)
 
 
