@@ -93,13 +93,15 @@ class RolloutIngress:
             refs.append(await self.worker.generate.remote(work)._to_object_ref())
         return refs
 
-    async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
-        """Handle API: validates and fans out; raises `InvalidRequestError` naming a bad field."""
-        plan = self._plan(request)
+    async def _result(self, plan: RolloutPlan) -> RolloutResult:
         parts = await self._dispatch(plan)
         return RolloutResult(
             plan.request_id, plan.seed, plan.request.num_outputs_per_prompt, self.config.weight_version, parts
         )
+
+    async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
+        """Handle API: validates and fans out; raises `InvalidRequestError` naming a bad field."""
+        return await self._result(self._plan(request))
 
     async def info(self) -> dict:
         if self._worker_info is None:
@@ -121,7 +123,8 @@ class RolloutIngress:
         try:
             data = (from_msgpack if MSGPACK in http_request.headers.get("content-type", "") else from_json)(body)
             plan = self._plan(data)
-            results: list[WorkerResult] = await asyncio.gather(*await self._dispatch(plan))
+            result = await self._result(plan)
+            batch = await result.batch_async()
         except CodecError as error:
             return _error_response(400, "body", str(error))
         except Exception as error:
@@ -130,7 +133,6 @@ class RolloutIngress:
                 return _error_response(422, rollout_error.field, str(rollout_error))
             logger.exception("rollout request failed")
             return _error_response(500, "", f"{type(error).__name__}: {error}")
-        batch = RolloutBatch.concat([result.batch for result in results])
         rows = response_rows(plan, batch, self.config.weight_version, time.perf_counter() - start)
         if "application/json" in http_request.headers.get("accept", ""):
             return Response(to_json(rows), media_type="application/json")

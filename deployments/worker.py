@@ -16,7 +16,7 @@ from deployments.config import RolloutAppConfig
 from rollout.api import SamplingWork
 from rollout.errors import InvalidRequestError
 from rollout.models.registry import load_pipeline
-from rollout.sampler import sample
+from rollout.sampler import resolve_options, sample
 from rollout.trajectory import RolloutBatch
 
 logger = logging.getLogger("ray.serve")
@@ -78,9 +78,8 @@ class RolloutWorker:
             limit = self.config.max_batch_size
             raise InvalidRequestError("num_outputs_per_prompt", f"a worker takes at most {limit} samples at once")
         self.pipeline.check_prompts(work.prompts, work.negative_prompts)
-        self.pipeline.latent_shape(
-            work.options.height or self.pipeline.default_height, work.options.width or self.pipeline.default_width
-        )
+        options = resolve_options(self.pipeline, work.options)
+        self.pipeline.latent_shape(options.height, options.width)
         result = await self._sample_batched(work)
         if isinstance(result, Exception):
             raise result
