@@ -1,6 +1,6 @@
 """Rollouts on disk: one safetensors shard per batch plus a small JSON index.
 
-A shard holds per-sample tensors stacked along a leading sample axis (``images``,
+A shard holds per-sample tensors stacked along a leading sample axis (``image``,
 ``final_latents``, ``log_probs``, ``latents``, ``latent_step_indices``) and its batch's schedule
 once (``schedule.sigmas``, ``schedule.timesteps``). ``index.json`` lists the shards, each with its
 sampling options, and one record per sample (shard, row, prompt, seed, request).
@@ -22,6 +22,8 @@ from rollout.trajectory import RolloutBatch, SampleTrajectory
 
 INDEX_FILE = "index.json"
 FORMAT_VERSION = 1
+# `SampleTrajectory` fields stored per sample, under their own names.
+PER_SAMPLE_TENSORS = ("image", "final_latents", "log_probs", "latents", "latent_step_indices")
 
 
 def _options_to_json(options: SamplingOptions) -> dict[str, Any]:
@@ -45,15 +47,9 @@ class RolloutDatasetWriter:
         shard = len(self.shards)
         path = self.directory / f"shard-{shard:05d}.safetensors"
         samples = batch.samples
-        tensors = {
-            "images": torch.stack([s.image for s in samples]),
-            "final_latents": torch.stack([s.final_latents for s in samples]),
-            "log_probs": torch.stack([s.log_probs for s in samples]),
-            "latents": torch.stack([s.latents for s in samples]),
-            "latent_step_indices": torch.stack([s.latent_step_indices for s in samples]),
-            "schedule.sigmas": batch.schedule.sigmas,
-            "schedule.timesteps": batch.schedule.timesteps,
-        }
+        tensors = {name: torch.stack([getattr(s, name) for s in samples]) for name in PER_SAMPLE_TENSORS}
+        tensors["schedule.sigmas"] = batch.schedule.sigmas
+        tensors["schedule.timesteps"] = batch.schedule.timesteps
         save_file({name: t.contiguous() for name, t in tensors.items()}, path)
         self.shards.append({"file": path.name, "num_samples": len(samples), "options": _options_to_json(batch.options)})
         records = sample_records or [{} for _ in samples]
@@ -96,11 +92,7 @@ def load_rollouts(directory: str | Path) -> tuple[dict[str, Any], list[RolloutBa
                 prompt=record["prompt"],
                 negative_prompt=record["negative_prompt"],
                 seed=record["seed"],
-                image=tensors["images"][row].clone(),
-                final_latents=tensors["final_latents"][row].clone(),
-                log_probs=tensors["log_probs"][row].clone(),
-                latents=tensors["latents"][row].clone(),
-                latent_step_indices=tensors["latent_step_indices"][row].clone(),
+                **{name: tensors[name][row].clone() for name in PER_SAMPLE_TENSORS},
             )
             for row, record in enumerate(records)
         ]
