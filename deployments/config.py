@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.api import RequestLimits
+from rollout.api import RequestLimits, RequestValidation
 from rollout.models.registry import EMBEDDED_MODEL
 
 
@@ -23,6 +23,9 @@ class RolloutAppConfig(BaseModel):
 
     app_name: str = Field("rollout", description="Serve application name, for `serve.get_app_handle`.")
     model: ModelConfig = Field(default_factory=ModelConfig)
+    served_model_name: str | None = Field(
+        None, description="Name reported by `/v1/models` and `/server_info`; None: the model's name."
+    )
     weight_version: str = Field("0", description="Reported with every sample, for off-policy bookkeeping.")
     num_worker_replicas: int = Field(2, ge=1, description="Worker replicas, one pipeline each.")
     worker_num_cpus: float = Field(0.5, gt=0, description="CPUs each worker replica reserves.")
@@ -36,6 +39,11 @@ class RolloutAppConfig(BaseModel):
     # is what lets concurrent requests meet (docs/benchmarks.md).
     batch_wait_timeout_s: float = Field(0.05, ge=0, description="How long a worker waits to fill a batch.")
     limits: RequestLimits = Field(default_factory=RequestLimits)
+    request_validation: RequestValidation = Field(
+        "strict",
+        description="strict: refuse unknown request fields and mistyped values (422, naming the field). "
+        "sglang: SGLang's lenient pydantic, which drops unknown fields and coerces values where it can.",
+    )
 
     def max_ongoing_requests_per_worker(self) -> int:
         # Serve caps a replica's batch at its ongoing requests: allow a full batch of

@@ -7,6 +7,7 @@ deployment handle (`generate`, for RL loops inside the cluster).
 # No `from __future__ import annotations` here: FastAPI must see the route parameters' real
 # types, and `serve.ingress` rebuilds the routes where string annotations no longer resolve.
 import asyncio
+import importlib.metadata
 import logging
 import math
 import time
@@ -21,13 +22,15 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import RolloutAppConfig
 from deployments.worker import WorkerResult
-from rollout.api import RolloutPlan, RolloutRequest, parse_request, plan_rollout, response_rows
-from rollout.codec import CodecError, from_json, from_msgpack, to_json, to_msgpack
-from rollout.errors import InvalidRequestError, RolloutError
+from rollout.api import RolloutPlan, RolloutRequest, parse_request, plan_rollout, response_rows, unknown_fields
+from rollout.codec import CodecError, parse_json, parse_msgpack, to_json, to_msgpack
+from rollout.errors import InvalidRequestError, RequestSchemaError, RolloutError
 from rollout.trajectory import RolloutBatch
 
 logger = logging.getLogger("ray.serve")
 MSGPACK = "application/msgpack"
+TASK_TYPE = "T2I"  # SGLang's name for text-to-image, the task of every model served here
+SERVER_VERSION = importlib.metadata.version("diffusion-rollout")
 
 app = FastAPI(title="diffusion rollout server")
 
@@ -50,15 +53,31 @@ class RolloutResult:
     def worker_results(self, timeout_s: float | None = None) -> list[WorkerResult]:
         return ray.get(self.parts, timeout=timeout_s)
 
+    async def worker_results_async(self) -> list[WorkerResult]:
+        return list(await asyncio.gather(*self.parts))
+
     def batch(self, timeout_s: float | None = None) -> RolloutBatch:
-        return RolloutBatch.concat([part.batch for part in self.worker_results(timeout_s)])
+        return _joined_batch(self.worker_results(timeout_s))
 
     async def batch_async(self) -> RolloutBatch:
-        return RolloutBatch.concat([part.batch for part in await asyncio.gather(*self.parts)])
+        return _joined_batch(await self.worker_results_async())
 
 
-def _error_response(status: int, field: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"field": field, "message": message}})
+def _joined_batch(parts: list[WorkerResult]) -> RolloutBatch:
+    return RolloutBatch.concat([part.batch for part in parts])
+
+
+def _error_response(status: int, field: str, message: str, detail: Any) -> JSONResponse:
+    """SGLang's `detail` (FastAPI's error body) beside this server's field-naming `error`."""
+    content = {"detail": detail, "error": {"field": field, "message": message}}
+    return JSONResponse(status_code=status, content=content)
+
+
+def _request_error_response(error: InvalidRequestError) -> JSONResponse:
+    """422 for a body that does not fit the schema, 400 for a value the server cannot serve: SGLang's statuses."""
+    if isinstance(error, RequestSchemaError):
+        return _error_response(422, error.field, str(error), error.errors)
+    return _error_response(400, error.field, str(error), f"Invalid sampling params: {error}")
 
 
 def _as_rollout_error(error: BaseException) -> RolloutError | None:
@@ -77,9 +96,13 @@ class RolloutIngress:
         self.worker = worker
         self.config = config
         self._worker_info: dict | None = None
+        self._started = int(time.time())
 
     def _plan(self, request: RolloutRequest | dict[str, Any]) -> RolloutPlan:
-        return plan_rollout(parse_request(request), self.config.limits)
+        validation = self.config.request_validation
+        if validation == "sglang" and isinstance(request, dict) and unknown_fields(request):
+            logger.warning("ignoring unknown request fields %s", unknown_fields(request)[:10])
+        return plan_rollout(parse_request(request, validation), self.config.limits)
 
     async def _dispatch(self, plan: RolloutPlan) -> list[ray.ObjectRef]:
         """Sends the plan's work to the workers; references to their results, in sample order."""
@@ -95,9 +118,7 @@ class RolloutIngress:
 
     async def _result(self, plan: RolloutPlan) -> RolloutResult:
         parts = await self._dispatch(plan)
-        return RolloutResult(
-            plan.request_id, plan.seed, plan.request.num_outputs_per_prompt, self.config.weight_version, parts
-        )
+        return RolloutResult(plan.request_id, plan.seed, plan.num_outputs_per_prompt, self.config.weight_version, parts)
 
     async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
         """Handle API: validates and fans out; raises `InvalidRequestError` naming a bad field."""
@@ -108,32 +129,95 @@ class RolloutIngress:
             self._worker_info = await self.worker.info.remote()
         return {**self._worker_info, "limits": self.config.limits.model_dump(), "max_batch_size": self.config.max_batch_size}
 
+    def _served_model_name(self) -> str:
+        return self.config.served_model_name or self.config.model.name
+
     @app.get("/health")
     async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/liveness")
+    async def liveness(self) -> dict:
         return {"status": "ok"}
 
     @app.get("/rollout/info")
     async def http_info(self) -> dict:
         return await self.info()
 
+    # SGLang's discovery endpoints, with the fields its model gateway reads.
+    @app.get("/model_info")
+    async def model_info(self) -> dict:
+        info = await self.info()
+        return {
+            "model_path": info["model_path"],
+            "is_generation": True,
+            "model_type": "diffusion",
+            "architectures": [info["pipeline_class"]],
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "task_type": TASK_TYPE,
+            "supported_task_types": [TASK_TYPE],
+            "output_types": ["IMAGE"],
+            "is_image_gen": True,
+            "weight_version": info["weight_version"],
+        }
+
+    @app.get("/server_info")
+    async def server_info(self) -> dict:
+        info = await self.info()
+        return {
+            "model_path": info["model_path"],
+            "served_model_name": self._served_model_name(),
+            "tp_size": 1,
+            "dp_size": self.config.num_worker_replicas,
+            "version": SERVER_VERSION,
+        }
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        info = await self.info()
+        name = self._served_model_name()
+        card = {
+            "id": name,
+            "object": "model",
+            "created": self._started,
+            "owned_by": "diffusion-rollout",
+            "root": name,
+            "parent": None,
+            "max_model_len": None,
+            "num_gpus": self.config.num_worker_replicas if info["device"].startswith("cuda") else 0,
+            "task_type": TASK_TYPE,
+            "supported_task_types": [TASK_TYPE],
+            "dit_precision": info["dtype"],
+            "vae_precision": info["dtype"],
+            "pipeline_name": info["model"],
+            "pipeline_class": info["pipeline_class"],
+        }
+        return {"object": "list", "data": [card]}
+
     @app.post("/rollout/generate")
     async def http_generate(self, http_request: Request) -> Response:
         start = time.perf_counter()
         body = await http_request.body()
         try:
-            data = (from_msgpack if MSGPACK in http_request.headers.get("content-type", "") else from_json)(body)
+            data = (parse_msgpack if MSGPACK in http_request.headers.get("content-type", "") else parse_json)(body)
             plan = self._plan(data)
             result = await self._result(plan)
-            batch = await result.batch_async()
+            parts = await result.worker_results_async()
+            batch = _joined_batch(parts)
         except CodecError as error:
-            return _error_response(400, "body", str(error))
+            # FastAPI answers a body that does not parse with 422, and so does SGLang.
+            detail = [{"type": "json_invalid", "loc": ["body"], "msg": str(error)}]
+            return _error_response(422, "body", str(error), detail)
         except Exception as error:
             rollout_error = _as_rollout_error(error)
             if isinstance(rollout_error, InvalidRequestError):
-                return _error_response(422, rollout_error.field, str(rollout_error))
+                return _request_error_response(rollout_error)
             logger.exception("rollout request failed")
-            return _error_response(500, "", f"{type(error).__name__}: {error}")
-        rows = response_rows(plan, batch, self.config.weight_version, time.perf_counter() - start)
+            message = f"{type(error).__name__}: {error}"
+            return _error_response(500, "", message, f"Generation failed: {message}")
+        peak_memory_mb = max((p.peak_memory_mb for p in parts if p.peak_memory_mb is not None), default=None)
+        rows = response_rows(plan, batch, self.config.weight_version, time.perf_counter() - start, peak_memory_mb)
         if "application/json" in http_request.headers.get("accept", ""):
             return Response(to_json(rows), media_type="application/json")
         return Response(to_msgpack(rows), media_type=MSGPACK)

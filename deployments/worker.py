@@ -15,7 +15,8 @@ from ray import serve
 from deployments.config import RolloutAppConfig
 from rollout.api import SamplingWork
 from rollout.errors import InvalidRequestError
-from rollout.models.registry import load_pipeline
+from rollout.models.base import RolloutPipeline
+from rollout.models.registry import load_pipeline, resolve_model_path
 from rollout.sampler import resolve_options, sample
 from rollout.trajectory import RolloutBatch
 
@@ -30,13 +31,25 @@ class WorkerResult:
         batch: the work's samples, all referring to one schedule object.
         sampler_batch_size: samples in the sampler call that produced them (shows batching).
         inference_time_s: wall time of that sampler call.
+        peak_memory_mb: peak accelerator memory allocated during that call; None on the CPU.
         replica: the worker replica that sampled them.
     """
 
     batch: RolloutBatch
     sampler_batch_size: int
     inference_time_s: float
+    peak_memory_mb: float | None
     replica: str
+
+
+def _sample_measured(pipeline: RolloutPipeline, *args) -> tuple[RolloutBatch, float | None]:
+    """`sample(pipeline, *args)` and the peak accelerator memory it allocated, in MB (None on the CPU)."""
+    device = pipeline.device
+    if device.type != "cuda":
+        return sample(pipeline, *args), None
+    torch.cuda.reset_peak_memory_stats(device)
+    batch = sample(pipeline, *args)
+    return batch, torch.cuda.max_memory_allocated(device) / 2**20
 
 
 def _count_samples(works: list[SamplingWork]) -> int:
@@ -53,7 +66,8 @@ class RolloutWorker:
         # measured here, that ran the sampler at half the speed of the main thread.
         self._sampling_thread = ThreadPoolExecutor(1, "sampler", initializer=torch.set_num_threads, initargs=(threads,))
         dtype = getattr(torch, config.model.dtype)
-        self.pipeline = load_pipeline(config.model.name, config.model.path, dtype=dtype)
+        self.model_path = resolve_model_path(config.model.name, config.model.path)
+        self.pipeline = load_pipeline(config.model.name, self.model_path, dtype=dtype)
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._sample_batched.set_max_batch_size(config.max_batch_size)
@@ -63,6 +77,9 @@ class RolloutWorker:
         scheduler = self.pipeline.scheduler
         return {
             "model": self.pipeline.name,
+            "model_path": str(self.model_path),
+            "pipeline_class": type(self.pipeline).__name__,
+            "dtype": self.config.model.dtype,
             "weight_version": self.config.weight_version,
             "scheduler": {"class_name": type(scheduler).__name__, "config": dict(scheduler.config)},
             "default_height": self.pipeline.default_height,
@@ -100,8 +117,8 @@ class RolloutWorker:
             seeds = [seed for work in group for seed in work.seeds]
             start = time.perf_counter()
             try:
-                batch = await asyncio.get_running_loop().run_in_executor(
-                    self._sampling_thread, sample, self.pipeline, prompts, seeds, options, negatives
+                batch, peak_memory_mb = await asyncio.get_running_loop().run_in_executor(
+                    self._sampling_thread, _sample_measured, self.pipeline, prompts, seeds, options, negatives
                 )
             except Exception as error:  # reported to each request of the group, the others go on
                 logger.exception("sampling failed for %d requests", len(group))
@@ -112,6 +129,6 @@ class RolloutWorker:
             offset = 0
             for p, work in zip(positions, group):
                 part = batch.subset(range(offset, offset + len(work)))
-                results[p] = WorkerResult(part, len(seeds), elapsed, self.replica)
+                results[p] = WorkerResult(part, len(seeds), elapsed, peak_memory_mb, self.replica)
                 offset += len(work)
         return results

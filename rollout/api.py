@@ -1,53 +1,97 @@
 """The rollout API's wire types: the request, its limits, its plan, and the per-sample response rows.
 
-Field names follow SGLang's diffusion rollout API so trainers written for it work unchanged.
-Plain pydantic, no Ray: the HTTP route and the deployment-handle method both validate with
-`parse_request`, so a Python dict, a pydantic object and a JSON body take the same path.
+The request and the rows are SGLang's diffusion rollout API (0.5.23,
+`sglang/multimodal_gen/runtime/entrypoints/post_training/io_struct.py` and `rollout_api.py`), so
+a trainer written for it works unchanged; this server's extensions are extra fields beside
+SGLang's (README, "Coming from SGLang"). Plain pydantic, no Ray: the HTTP route and the
+deployment-handle method both validate with `parse_request`, so a Python dict, a pydantic
+object and a JSON body take the same path.
+
+Two kinds of bad request, as in SGLang: a body that does not fit the schema (a wrong type, a
+missing prompt, an unknown field) raises `RequestSchemaError` (HTTP 422); a well-typed value
+this server cannot serve raises `InvalidRequestError` (HTTP 400).
 """
 
 from __future__ import annotations
 
+import difflib
 import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollout.errors import InvalidRequestError
+from rollout.errors import InvalidRequestError, RequestSchemaError
 from rollout.options import MAX_SEED, SamplingOptions
-from rollout.trajectory import RolloutBatch
-from rollout.transitions import TransitionKind
+from rollout.trajectory import RolloutBatch, SampleTrajectory
+from rollout.transitions import LogProbForm, TransitionKind
+
+# "strict": unknown fields and mistyped values are refused (422). "sglang": SGLang's own
+# pydantic behaviour, unknown fields dropped and values coerced where pydantic's lax mode can.
+RequestValidation = Literal["strict", "sglang"]
 
 
 class RolloutRequest(BaseModel):
-    """`POST /rollout/generate` body, and the argument of the handle's `generate`."""
+    """`POST /rollout/generate` body, and the argument of the handle's `generate`.
+
+    SGLang's fields in SGLang's order and with its defaults, then this server's extensions.
+    Only types are checked here; values are checked by `plan_rollout`.
+    """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    prompt: str | list[str] = Field(description="One prompt, or a list of prompts served by one request.")
+    prompt: str | list[str] = Field(description="One prompt, or (extension) a list of prompts served by one request.")
     negative_prompt: str | list[str] | None = Field(
-        None, description="One negative prompt for all prompts, or one per prompt. Default: empty."
+        None, description="One negative prompt for all prompts, or one per prompt. Default: the model's."
     )
     seed: int | None = Field(
-        None, ge=0, le=MAX_SEED, description="Base seed; sample i (prompt-major) uses seed + i. Default: random."
+        None, description="Base seed; sample i (prompt-major) uses seed + i. Default: random, returned as `seed`."
     )
-    num_outputs_per_prompt: int = Field(1, ge=1, description="Samples per prompt.")
-    num_inference_steps: int | None = Field(None, ge=1, description="T, the number of denoising steps.")
-    width: int | None = Field(None, ge=1, description="Image width in pixels. Default: the model's.")
-    height: int | None = Field(None, ge=1, description="Image height in pixels. Default: the model's.")
-    guidance_scale: float | None = Field(None, allow_inf_nan=False, description="Classifier-free guidance scale.")
+    generator_device: str = Field(
+        "cuda", description="Accepted as in SGLang; noise always comes from per-sample CPU generators here."
+    )
+    width: int | None = Field(None, description="Image width in pixels. Default: the model's.")
+    height: int | None = Field(None, description="Image height in pixels. Default: the model's.")
+    num_inference_steps: int | None = Field(None, description="T, the number of denoising steps.")
+    num_outputs_per_prompt: int | None = Field(None, description="Samples per prompt. Default: 1.")
+    guidance_scale: float | None = Field(None, description="The model's guidance scale. Default: the model's.")
+    true_cfg_scale: float | None = Field(None, description="Classifier-free guidance weight, where the model has one.")
+    num_frames: int | None = Field(None, description="Frames per sample: image models take only 1.")
+    fps: int | None = Field(None, description="Frame rate of video models; image models ignore it.")
     rollout: bool = Field(True, description="False: evaluation, images only, from the deterministic ODE sampler.")
-    rollout_sde_type: Literal["sde", "cps", "ode"] = Field("sde", description="Transition of the stochastic steps.")
-    rollout_noise_level: float = Field(0.7, ge=0, allow_inf_nan=False, description="eta, the noise level.")
-    rollout_log_prob_no_const: bool = Field(False, description="Drop the model-independent log-density terms.")
-    rollout_debug_mode: bool = Field(False, description="Return per-step velocities, means, stds and noises.")
+    rollout_sde_type: str = Field("sde", description="Transition of the stochastic steps: sde, cps or ode.")
+    rollout_noise_level: float = Field(0.7, description="eta, the noise level.")
+    rollout_log_prob_no_const: bool = Field(
+        False, description="Per-step log-probs as -(x_next - mean)^2, SGLang's constant-free form."
+    )
+    rollout_debug_mode: bool = Field(True, description="Return per-step velocities, means, stds and noises.")
     rollout_return_denoising_env: bool = Field(False, description="Return each sample's conditioning tensors.")
     rollout_return_dit_trajectory: bool = Field(False, description="Return latents, timesteps and sigmas.")
     rollout_sde_step_indices: list[int] | None = Field(None, description="Stochastic steps; others run as ODE.")
     rollout_return_step_indices: list[int] | None = Field(None, description="Latents to return; T is the final one.")
+    image_path: list[str] | None = Field(None, description="Input images of image-to-image models.")
+    suppress_logs: bool = Field(False, description="No per-request logs, and no `peak_memory_mb` measurement.")
+    extra_sampling_params: dict[str, Any] | None = Field(
+        None, description="Overrides of the fields above, merged as SGLang merges them."
+    )
+    rollout_log_prob_form: str | None = Field(
+        None,
+        description="(extension) gaussian, gaussian_no_const or squared_error; "
+        "default: squared_error with rollout_log_prob_no_const, else gaussian.",
+    )
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    @property
+    def outputs_per_prompt(self) -> int:
+        return 1 if self.num_outputs_per_prompt is None else self.num_outputs_per_prompt
+
+
+# What `extra_sampling_params` may override: SGLang merges it into the sampling parameters, which
+# here are the request's own fields. SGLang keeps the top-level `rollout` whatever it says.
+_OVERRIDABLE_FIELDS = set(RolloutRequest.model_fields) - {"prompt", "extra_sampling_params"}
 
 
 class RequestLimits(BaseModel):
@@ -62,23 +106,97 @@ class RequestLimits(BaseModel):
     default_inference_steps: int = Field(20, ge=1, description="`num_inference_steps` when a request gives none.")
 
 
-def parse_request(data: RolloutRequest | dict[str, Any]) -> RolloutRequest:
-    """Validates a request, raising `InvalidRequestError` that names the first bad field."""
-    if isinstance(data, RolloutRequest):
-        return data
-    if not isinstance(data, dict):
-        raise InvalidRequestError("body", f"must be a JSON object, got {type(data).__name__}")
+def unknown_fields(data: dict[Any, Any]) -> list[str]:
+    """The keys of a request body that are not request fields."""
+    return [str(key) for key in data if key not in RolloutRequest.model_fields]
+
+
+def parse_request(data: RolloutRequest | dict[str, Any], validation: RequestValidation = "strict") -> RolloutRequest:
+    """Validates a request's types and merges its `extra_sampling_params`.
+
+    Raises `RequestSchemaError` naming the first field that does not fit the schema, or
+    `InvalidRequestError` for an `extra_sampling_params` key this server cannot honour.
+    """
+    lenient = validation == "sglang"
+    if not isinstance(data, RolloutRequest):
+        if not isinstance(data, dict):
+            raise RequestSchemaError("body", f"must be a JSON object, got {type(data).__name__}")
+        unknown = unknown_fields(data)
+        if unknown and lenient:
+            data = {key: value for key, value in data.items() if key in RolloutRequest.model_fields}
+        elif unknown:
+            raise _unknown_fields_error(unknown)
+        data = _validate(data, lenient)
+    return _merge_extra_sampling_params(data, lenient)
+
+
+def _unknown_fields_error(unknown: list[str]) -> RequestSchemaError:
+    reason = (
+        f"unknown field{_did_you_mean(unknown[0])} "
+        "(an app with request_validation: sglang ignores unknown fields, as SGLang does)"
+    )
+    message = "Extra inputs are not permitted"  # pydantic's and FastAPI's words
+    detail = [{"type": "extra_forbidden", "loc": ["body", name], "msg": message} for name in unknown]
+    return RequestSchemaError(unknown[0], reason, detail)
+
+
+def _validate(data: dict[str, Any], lenient: bool, location: tuple[str, ...] = ()) -> RolloutRequest:
     try:
-        return RolloutRequest.model_validate(data)
+        return RolloutRequest.model_validate(data, strict=not lenient)
     except ValidationError as e:
-        # The deepest error is the most specific one (a union reports one error per branch).
-        error = max(e.errors(include_url=False), key=lambda error: len(error["loc"]))
-        # The request is flat: the location is a field name (known or not), then union branches
-        # (type names, dropped) and list indices (kept).
-        first, *rest = error["loc"] or ("body",)
-        field = ".".join([str(first)] + [str(part) for part in rest if isinstance(part, int)])
-        value = "" if error["type"] == "missing" else f", got {error['input']!r}"
-        raise InvalidRequestError(field, f"{error['msg']}{value}") from None
+        raise _schema_error(e, location) from None
+
+
+def _schema_error(error: ValidationError, location: tuple[str, ...]) -> RequestSchemaError:
+    problems = error.errors(include_url=False)
+    # The deepest error is the most specific one (a union reports one error per branch).
+    first_problem = max(problems, key=lambda problem: len(problem["loc"]))
+    # The request is flat: the location is a field name, then union branches (type names,
+    # dropped) and list indices (kept).
+    name, *rest = first_problem["loc"] or ("body",)
+    field = ".".join([*location, str(name)] + [str(part) for part in rest if isinstance(part, int)])
+    value = "" if first_problem["type"] == "missing" else f", got {_short_repr(first_problem['input'])}"
+    detail = [
+        {"type": problem["type"], "loc": ["body", *location, *problem["loc"]], "msg": problem["msg"]}
+        for problem in problems
+    ]
+    return RequestSchemaError(field, f"{first_problem['msg']}{value}", detail)
+
+
+def _merge_extra_sampling_params(request: RolloutRequest, lenient: bool) -> RolloutRequest:
+    """The request with its `extra_sampling_params` merged into its fields, as SGLang merges them.
+
+    A key that is not a request field would be one of SGLang's other sampling parameters
+    (custom `sigmas`, say), which this server does not implement: refused rather than ignored.
+    """
+    extras = request.extra_sampling_params
+    if not extras:
+        return request
+    for key, value in extras.items():
+        if key not in _OVERRIDABLE_FIELDS:
+            raise InvalidRequestError(
+                f"extra_sampling_params.{key}",
+                f"this server does not support the sampling parameter {key!r}{_did_you_mean(str(key))}; "
+                "it takes overrides of the request's own fields",
+            )
+        if key == "rollout" and value != request.rollout and not lenient:
+            raise InvalidRequestError(
+                "extra_sampling_params.rollout",
+                "conflicts with the request's `rollout`; SGLang keeps the top-level value (request_validation: sglang)",
+            )
+    overrides = {key: value for key, value in extras.items() if key != "rollout"}
+    merged = {**request.model_dump(exclude={"extra_sampling_params"}), **overrides}
+    return _validate(merged, lenient, ("extra_sampling_params",))
+
+
+def _did_you_mean(name: str) -> str:
+    close = difflib.get_close_matches(name, RolloutRequest.model_fields, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -104,12 +222,16 @@ class RolloutPlan:
     options: SamplingOptions
 
     @property
+    def num_outputs_per_prompt(self) -> int:
+        return self.request.outputs_per_prompt
+
+    @property
     def num_samples(self) -> int:
-        return len(self.request.prompts()) * self.request.num_outputs_per_prompt
+        return len(self.request.prompts()) * self.num_outputs_per_prompt
 
     def work(self, chunk_size: int) -> list[SamplingWork]:
         """The request's samples in order, cut into pieces of at most `chunk_size`."""
-        per_prompt = self.request.num_outputs_per_prompt
+        per_prompt = self.num_outputs_per_prompt
         prompts = [p for p in self.request.prompts() for _ in range(per_prompt)]
         negatives = [n for n in _negative_prompts(self.request) for _ in range(per_prompt)]
         seeds = [self.seed + i for i in range(self.num_samples)]
@@ -138,17 +260,18 @@ def _negative_prompts(request: RolloutRequest) -> list[str]:
 
 
 def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str | None = None) -> RolloutPlan:
-    """Checks a request against the limits and the sampling rules; raises `InvalidRequestError`."""
+    """Checks a request's values against the limits and the sampling rules; raises `InvalidRequestError`."""
     prompts = request.prompts()
     if not prompts:
         raise InvalidRequestError("prompt", "needs at least one prompt")
     if len(prompts) > limits.max_prompts_per_request:
         raise InvalidRequestError("prompt", f"at most {limits.max_prompts_per_request} prompts, got {len(prompts)}")
-    if request.num_outputs_per_prompt > limits.max_outputs_per_prompt:
+    per_prompt = request.outputs_per_prompt
+    if not 1 <= per_prompt <= limits.max_outputs_per_prompt:
         raise InvalidRequestError(
-            "num_outputs_per_prompt", f"at most {limits.max_outputs_per_prompt}, got {request.num_outputs_per_prompt}"
+            "num_outputs_per_prompt", f"must be in [1, {limits.max_outputs_per_prompt}], got {per_prompt}"
         )
-    num_samples = len(prompts) * request.num_outputs_per_prompt
+    num_samples = len(prompts) * per_prompt
     if num_samples > limits.max_samples_per_request:
         raise InvalidRequestError(
             "num_outputs_per_prompt",
@@ -157,67 +280,105 @@ def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str
     steps = limits.default_inference_steps if request.num_inference_steps is None else request.num_inference_steps
     if steps > limits.max_inference_steps:
         raise InvalidRequestError("num_inference_steps", f"at most {limits.max_inference_steps}, got {steps}")
+    _check_image_model_fields(request)
     _negative_prompts(request)
+    if request.seed is not None and request.seed < 0:
+        raise InvalidRequestError("seed", f"must be an integer >= 0, got {request.seed}")
     seed = secrets.randbelow(2**31) if request.seed is None else request.seed
     if seed + num_samples - 1 > MAX_SEED:
         raise InvalidRequestError("seed", f"seed + number of samples - 1 must be <= {MAX_SEED}")
     common = dict(
-        num_inference_steps=steps, height=request.height, width=request.width, guidance_scale=request.guidance_scale
+        num_inference_steps=steps,
+        height=request.height,
+        width=request.width,
+        guidance_scale=request.guidance_scale,
+        true_cfg_scale=request.true_cfg_scale,
     )
-    if request.rollout:
-        options = SamplingOptions(
-            **common,
-            sde_type=TransitionKind(request.rollout_sde_type),
-            noise_level=request.rollout_noise_level,
-            log_prob_without_constants=request.rollout_log_prob_no_const,
-            sde_step_indices=request.rollout_sde_step_indices,
-            return_step_indices=request.rollout_return_step_indices,
-            debug=request.rollout_debug_mode,
-            return_denoising_env=request.rollout_return_denoising_env,
-        )
-    else:  # evaluation: the deterministic sampler, keeping only the final latent
+    if not request.rollout:  # evaluation: the deterministic sampler, keeping only the final latent
         options = SamplingOptions(**common, sde_type=TransitionKind.ODE, return_step_indices=[steps])
+        return RolloutPlan(request_id or secrets.token_hex(8), request, seed, options)
+    squared_error = request.rollout_log_prob_no_const
+    form = LogProbForm.SQUARED_ERROR if squared_error else LogProbForm.GAUSSIAN
+    options = SamplingOptions(
+        **common,
+        sde_type=request.rollout_sde_type,
+        noise_level=request.rollout_noise_level,
+        log_prob_form=form if request.rollout_log_prob_form is None else request.rollout_log_prob_form,
+        sde_step_indices=request.rollout_sde_step_indices,
+        return_step_indices=request.rollout_return_step_indices,
+        debug=request.rollout_debug_mode,
+        return_denoising_env=request.rollout_return_denoising_env,
+    )
+    if squared_error and options.log_prob_form is not LogProbForm.SQUARED_ERROR:
+        raise InvalidRequestError(
+            "rollout_log_prob_form",
+            f"{options.log_prob_form.value!r} conflicts with rollout_log_prob_no_const: true "
+            "(which means 'squared_error')",
+        )
     return RolloutPlan(request_id or secrets.token_hex(8), request, seed, options)
 
 
+def _check_image_model_fields(request: RolloutRequest) -> None:
+    """SGLang's video and image-input fields, which every model served here (text-to-image) refuses."""
+    if request.num_frames is not None and request.num_frames != 1:
+        raise InvalidRequestError(
+            "num_frames", f"the served model generates images: must be 1, got {request.num_frames}"
+        )
+    if request.fps is not None and request.fps < 1:
+        raise InvalidRequestError("fps", f"must be a positive integer, got {request.fps}")
+    if request.image_path:
+        raise InvalidRequestError("image_path", "the served model is text-to-image and takes no input image")
+
+
 def response_rows(
-    plan: RolloutPlan, batch: RolloutBatch, weight_version: str, inference_time_s: float
+    plan: RolloutPlan,
+    batch: RolloutBatch,
+    weight_version: str,
+    inference_time_s: float,
+    peak_memory_mb: float | None = None,
 ) -> list[dict[str, Any]]:
     """One map per sample, in request order, with tensors left for the codec to encode.
 
-    The schedule tensors in `dit_trajectory` are the batch's one schedule object in every row,
-    so a `TensorEncoder` encodes them once per response.
+    Every row has all of SGLang's keys (None where unset), then this server's extensions
+    (`prompt_index`, `sample_seed`, `weight_version`). The per-request tensors in
+    `dit_trajectory` are one object each, shared by every row, so a `TensorEncoder` encodes
+    them once per response.
     """
     request = plan.request
-    per_prompt = request.num_outputs_per_prompt
-    rows = []
-    for i, sample in enumerate(batch.samples):
-        row: dict[str, Any] = {
+    kept_steps = torch.tensor(batch.options.kept_latent_steps(), dtype=torch.int64)
+    trajectory_labels = {
+        "timesteps": batch.schedule.latent_timesteps(kept_steps),  # one per returned latent, SGLang's runtime
+        "sigmas": batch.schedule.sigmas,  # [T + 1], never filtered
+        "scheduler_timesteps": batch.schedule.timesteps,  # [T], the scheduler's own
+        "latent_step_indices": kept_steps,
+    }
+    return_trajectory = request.rollout and request.rollout_return_dit_trajectory
+    return [
+        {
             "request_id": plan.request_id,
             "prompt": sample.prompt,
-            "prompt_index": i // per_prompt,
-            "seed": sample.seed,
+            "seed": plan.seed,
             "generated_output": sample.image,
+            "rollout_log_probs": sample.log_probs if request.rollout else None,
+            "rollout_debug_tensors": _debug_tensors(sample),
+            "denoising_env": sample.denoising_env,
+            "dit_trajectory": {"latents": sample.latents, **trajectory_labels} if return_trajectory else None,
+            "inference_time_s": inference_time_s,
+            "peak_memory_mb": None if request.suppress_logs else peak_memory_mb,
+            "prompt_index": i // plan.num_outputs_per_prompt,
+            "sample_seed": sample.seed,
+            "weight_version": weight_version,
         }
-        if request.rollout:
-            row["rollout_log_probs"] = sample.log_probs
-            if sample.debug is not None:
-                row["rollout_debug_tensors"] = {
-                    "rollout_model_outputs": sample.debug.model_outputs,
-                    "rollout_prev_sample_means": sample.debug.prev_sample_means,
-                    "rollout_noise_std_devs": sample.debug.noise_std_devs,
-                    "rollout_variance_noises": sample.debug.variance_noises,
-                }
-            if sample.denoising_env is not None:
-                row["denoising_env"] = sample.denoising_env
-            if request.rollout_return_dit_trajectory:
-                row["dit_trajectory"] = {
-                    "latents": sample.latents,
-                    "timesteps": sample.schedule.timesteps,
-                    "sigmas": sample.schedule.sigmas,
-                    "latent_step_indices": sample.latent_step_indices,
-                }
-        row["weight_version"] = weight_version
-        row["inference_time_s"] = inference_time_s
-        rows.append(row)
-    return rows
+        for i, sample in enumerate(batch.samples)
+    ]
+
+
+def _debug_tensors(sample: SampleTrajectory) -> dict[str, torch.Tensor] | None:
+    if sample.debug is None:
+        return None
+    return {
+        "rollout_variance_noises": sample.debug.variance_noises,
+        "rollout_prev_sample_means": sample.debug.prev_sample_means,
+        "rollout_noise_std_devs": sample.debug.noise_std_devs.unsqueeze(-1),  # [T, 1], as SGLang's
+        "rollout_model_outputs": sample.debug.model_outputs,
+    }

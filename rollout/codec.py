@@ -101,21 +101,29 @@ def to_msgpack(value: Any) -> bytes:
     return msgpack.packb(TensorEncoder(binary=True).encode(value), use_bin_type=True)
 
 
-def from_msgpack(body: bytes) -> Any:
+def parse_msgpack(body: bytes) -> Any:
+    """A msgpack body as plain values; tensor envelopes stay maps (request bodies carry none)."""
     try:
-        value = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        return msgpack.unpackb(body, raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError, TypeError) as e:
         raise CodecError(f"body is not valid msgpack: {e}") from None
-    return decode_tree(value)
+
+
+def from_msgpack(body: bytes) -> Any:
+    return decode_tree(parse_msgpack(body))
 
 
 def to_json(value: Any) -> str:
     return json.dumps(TensorEncoder(binary=False).encode(value))
 
 
-def from_json(body: str | bytes) -> Any:
+def parse_json(body: str | bytes) -> Any:
+    """A JSON body as plain values; tensor envelopes stay maps (request bodies carry none)."""
     try:
-        value = json.loads(body)
-    except ValueError as e:
-        raise CodecError(f"body is not valid JSON: {e}") from None
-    return decode_tree(value)
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise CodecError(f"body is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def from_json(body: str | bytes) -> Any:
+    return decode_tree(parse_json(body))

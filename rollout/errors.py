@@ -27,6 +27,25 @@ class InvalidRequestError(RolloutError, ValueError):
         return (type(self), (self.field, self.reason))
 
 
+class RequestSchemaError(InvalidRequestError):
+    """The request does not fit the request schema: a wrong type, a missing or an unknown field.
+
+    Its `InvalidRequestError` siblings are well-typed values the server cannot serve. The two
+    kinds get different HTTP statuses (422 and 400), as in SGLang's rollout API.
+
+    Attributes:
+        errors: one entry per problem, shaped like FastAPI's validation errors:
+            ``{"type": ..., "loc": ["body", <field>, ...], "msg": ...}``.
+    """
+
+    def __init__(self, field: str, reason: str, errors: list[dict] | None = None):
+        super().__init__(field, reason)
+        self.errors = errors if errors is not None else [{"type": "value_error", "loc": ["body", field], "msg": reason}]
+
+    def __reduce__(self):
+        return (type(self), (self.field, self.reason, self.errors))
+
+
 class UnknownPromptError(InvalidRequestError):
     """The model does not know how to condition on this prompt."""
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from rollout.errors import InvalidRequestError
-from rollout.transitions import TransitionKind
+from rollout.transitions import LogProbForm, TransitionKind
 
 MAX_SEED = 2**63 - 1
 
@@ -18,10 +18,13 @@ class SamplingOptions:
     Attributes:
         num_inference_steps: T, the number of denoising steps.
         height, width: image size in pixels; None takes the model's default.
-        guidance_scale: classifier-free guidance scale; None takes the model's default.
+        guidance_scale: the model's guidance scale (classifier-free guidance, or the distilled
+            guidance of a guidance-distilled model); None takes the model's default.
+        true_cfg_scale: the classifier-free guidance weight of models that separate it from a
+            distilled guidance (SGLang's and diffusers' field); each model says how it uses it.
         sde_type: the transition used on SDE steps.
         noise_level: eta, the noise level of the SDE/CPS transitions.
-        log_prob_without_constants: drop the model-independent terms of the log-density.
+        log_prob_form: what the per-step log-probs hold (`LogProbForm`).
         sde_step_indices: the steps that are stochastic; the others are ODE steps and draw no noise.
             None means every step.
         return_step_indices: which latents x_0 .. x_T to keep (x_T, the final latent, is step T).
@@ -34,9 +37,10 @@ class SamplingOptions:
     height: int | None = None
     width: int | None = None
     guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
     sde_type: TransitionKind = TransitionKind.SDE
     noise_level: float = 0.7
-    log_prob_without_constants: bool = False
+    log_prob_form: LogProbForm = LogProbForm.GAUSSIAN
     sde_step_indices: tuple[int, ...] | None = None
     return_step_indices: tuple[int, ...] | None = None
     debug: bool = False
@@ -46,21 +50,19 @@ class SamplingOptions:
         steps = self.num_inference_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1, got {steps!r}")
-        try:
-            object.__setattr__(self, "sde_type", TransitionKind(self.sde_type))
-        except ValueError:
-            raise InvalidRequestError(
-                "rollout_sde_type", f"must be one of {[k.value for k in TransitionKind]}, got {self.sde_type!r}"
-            ) from None
-        eta = self.noise_level
-        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not math.isfinite(eta) or eta < 0:
-            raise InvalidRequestError("rollout_noise_level", f"must be a finite number >= 0, got {eta!r}")
+        for field, value in (("height", self.height), ("width", self.width)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidRequestError(field, f"must be a positive integer, got {value!r}")
+        object.__setattr__(self, "sde_type", _as_enum(TransitionKind, self.sde_type, "rollout_sde_type"))
+        object.__setattr__(self, "log_prob_form", _as_enum(LogProbForm, self.log_prob_form, "rollout_log_prob_form"))
+        eta = _check_finite_non_negative("rollout_noise_level", self.noise_level)
         if self.sde_type is TransitionKind.CPS and eta > 1:
             raise InvalidRequestError(
                 "rollout_noise_level", f"must be <= 1 for cps (std = sigma_next * sin(eta * pi / 2)), got {eta!r}"
             )
-        if self.guidance_scale is not None and not math.isfinite(self.guidance_scale):
-            raise InvalidRequestError("guidance_scale", f"must be a finite number, got {self.guidance_scale!r}")
+        for field in ("guidance_scale", "true_cfg_scale"):
+            if getattr(self, field) is not None:
+                _check_finite_non_negative(field, getattr(self, field))
         object.__setattr__(
             self, "sde_step_indices", _check_step_indices("rollout_sde_step_indices", self.sde_step_indices, steps - 1)
         )
@@ -79,6 +81,20 @@ class SamplingOptions:
         if self.return_step_indices is None:
             return tuple(range(self.num_inference_steps + 1))
         return self.return_step_indices
+
+
+def _check_finite_non_negative(field: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise InvalidRequestError(field, f"must be a finite number >= 0, got {value!r}")
+    return value
+
+
+def _as_enum(enum_type, value, field: str):
+    try:
+        return enum_type(value)
+    except ValueError:
+        choices = [member.value for member in enum_type]
+        raise InvalidRequestError(field, f"must be one of {choices}, got {value!r}") from None
 
 
 def _check_step_indices(field: str, indices, largest: int) -> tuple[int, ...] | None:

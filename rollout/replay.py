@@ -38,10 +38,12 @@ def replayable_steps(latent_step_indices: torch.Tensor) -> list[int]:
     return sorted(i for i in kept if i + 1 in kept)
 
 
-def _conditioning_of(pipeline: RolloutPipeline, samples: Sequence[SampleTrajectory]) -> Conditioning:
+def _conditioning_of(
+    pipeline: RolloutPipeline, options: SamplingOptions, samples: Sequence[SampleTrajectory]
+) -> Conditioning:
     if all(s.denoising_env is not None for s in samples):
         return Conditioning.stack([s.denoising_env for s in samples])
-    return pipeline.encode_prompts([s.prompt for s in samples], [s.negative_prompt for s in samples])
+    return pipeline.encode_prompts([s.prompt for s in samples], [s.negative_prompt for s in samples], options)
 
 
 @torch.no_grad()
@@ -70,13 +72,13 @@ def replay_log_probs(
     device = pipeline.device
     latents = torch.stack([s.latents for s in samples]).to(device)  # (N, K, ...)
     sigmas = schedule.sigmas.to(device)
-    padded_conditioning = pad_conditioning(_conditioning_of(pipeline, samples), pipeline.micro_batch_size)
+    padded_conditioning = pad_conditioning(_conditioning_of(pipeline, options, samples), pipeline.micro_batch_size)
 
     log_probs = []
     for step in steps:
         x_t = latents[:, position[step]]
         x_next = latents[:, position[step + 1]]
-        v = predict_velocity(pipeline, x_t, schedule.timesteps[step], padded_conditioning, options.guidance_scale)
+        v = predict_velocity(pipeline, x_t, schedule.timesteps[step], padded_conditioning, options)
         transition = take_step(
             options.transition_at(step),
             x_t,
@@ -86,7 +88,7 @@ def replay_log_probs(
             eta=options.noise_level,
             sigma_after_one=sigmas[1],
             x_next=x_next,
-            log_prob_without_constants=options.log_prob_without_constants,
+            log_prob_form=options.log_prob_form,
         )
         log_probs.append(transition.log_prob)
     stacked = torch.stack(log_probs, dim=1).cpu() if log_probs else torch.zeros(len(samples), 0)

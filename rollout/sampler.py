@@ -39,9 +39,7 @@ def pad_conditioning(conditioning: Conditioning, micro_batch_size: int) -> Condi
     if missing == 0:
         return conditioning
     filler = torch.full((missing,), len(conditioning) - 1, dtype=torch.long)
-    return Conditioning(
-        {name: torch.cat([t, t[filler.to(t.device)]]) for name, t in conditioning.tensors.items()}
-    )
+    return conditioning.map(lambda t: torch.cat([t, t[filler.to(t.device)]]))
 
 
 def predict_velocity(
@@ -49,13 +47,14 @@ def predict_velocity(
     x_t: torch.Tensor,
     timestep: torch.Tensor,
     padded_conditioning: Conditioning,
-    guidance_scale: float,
+    options: SamplingOptions,
 ) -> torch.Tensor:
     """The pipeline's velocity for `(B, ...)` latents, computed on fixed-size micro-batches.
 
     Args:
         timestep: `()` the step's timestep, the same for every row.
         padded_conditioning: the batch's conditioning after `pad_conditioning`.
+        options: the request's options, with the model's defaults filled in.
     """
     micro_batch_size = pipeline.micro_batch_size
     batch_size = x_t.shape[0]
@@ -67,7 +66,7 @@ def predict_velocity(
             x_padded[start : start + micro_batch_size],
             timesteps,
             padded_conditioning.rows(slice(start, start + micro_batch_size)),
-            guidance_scale,
+            options,
         )
         for start in range(0, padded_size, micro_batch_size)
     ]
@@ -109,7 +108,7 @@ def sample(
     latent_shape = pipeline.latent_shape(options.height, options.width)
     device = pipeline.device
 
-    conditioning = pipeline.encode_prompts(prompts, negative_prompts)
+    conditioning = pipeline.encode_prompts(prompts, negative_prompts, options)
     padded_conditioning = pad_conditioning(conditioning, pipeline.micro_batch_size)
     schedule = ScheduleSnapshot.from_scheduler(pipeline.scheduler, options.num_inference_steps, mu=mu)
     sigmas = schedule.sigmas.to(device)
@@ -121,7 +120,7 @@ def sample(
     kept_latents = [x_t] if 0 in kept_steps else []
     log_probs, velocities, means, noise_stds, noises = [], [], [], [], []
     for step in range(num_steps):
-        v = predict_velocity(pipeline, x_t, schedule.timesteps[step], padded_conditioning, options.guidance_scale)
+        v = predict_velocity(pipeline, x_t, schedule.timesteps[step], padded_conditioning, options)
         kind = options.transition_at(step)
         noise = _draw_noise(generators, latent_shape, device) if kind.draws_noise else None
         transition = take_step(
@@ -133,7 +132,7 @@ def sample(
             eta=options.noise_level,
             sigma_after_one=sigmas[1],
             noise=noise,
-            log_prob_without_constants=options.log_prob_without_constants,
+            log_prob_form=options.log_prob_form,
         )
         x_t = transition.x_next
         if step + 1 in kept_steps:
@@ -147,7 +146,9 @@ def sample(
 
     images = pipeline.decode(x_t)
     log_probs = torch.stack(log_probs, dim=1).cpu()  # (B, T)
-    latents = torch.stack(kept_latents, dim=1).cpu()  # (B, K, ...)
+    # (B, K, ...); K is 0 when a request keeps no latent at all
+    latents = torch.stack(kept_latents, dim=1) if kept_latents else x_t.new_zeros((len(prompts), 0, *latent_shape))
+    latents = latents.cpu()
     latent_step_indices = torch.tensor(sorted(kept_steps), dtype=torch.int64)
     if options.debug:
         velocities, means, noises = (torch.stack(t, dim=1).cpu() for t in (velocities, means, noises))

@@ -64,6 +64,15 @@ class ScheduleSnapshot:
             timesteps = scheduler.timesteps.detach().clone()
         return cls(sigmas=sigmas, timesteps=timesteps)
 
+    def latent_timesteps(self, latent_step_indices: torch.Tensor) -> torch.Tensor:
+        """The time label of each kept latent `x_k`, shape `(K,)`: `timesteps[k]`, and 0 for the final `x_T`.
+
+        This is SGLang's `dit_trajectory.timesteps`, one entry per returned latent. It is derived
+        from the schedule for the trajectory's consumers; the schedule itself is never filtered.
+        """
+        labels = torch.cat([self.timesteps, self.timesteps.new_zeros(1)])
+        return labels[latent_step_indices]
+
     def equals(self, other: "ScheduleSnapshot") -> bool:
         """Bit-for-bit equality (dtypes included), the only equality that matters for replay."""
         return (

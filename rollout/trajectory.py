@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -50,7 +50,9 @@ class SampleTrajectory:
         latent_step_indices: `(K,)` int64, the absolute step of each kept latent (T is x_T).
         schedule: the request's schedule, the same object for every sample of the request.
         debug: per-step internals, when asked for.
-        denoising_env: this sample's conditioning tensors (no batch dimension), when asked for.
+        denoising_env: this sample's conditioning, when asked for: `Conditioning.row`'s map in
+            SGLang's layout (`image_kwargs`, `pos_cond_kwargs`, `neg_cond_kwargs`, `guidance`),
+            tensors without the batch dimension.
     """
 
     schedule: ScheduleSnapshot
@@ -63,7 +65,7 @@ class SampleTrajectory:
     latents: torch.Tensor
     latent_step_indices: torch.Tensor
     debug: StepDebug | None = None
-    denoising_env: dict[str, torch.Tensor] | None = None
+    denoising_env: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

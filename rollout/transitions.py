@@ -30,6 +30,19 @@ class TransitionKind(str, enum.Enum):
         return self is not TransitionKind.ODE
 
 
+class LogProbForm(str, enum.Enum):
+    """What `log_prob` holds per step: the mean over latent elements of one of these.
+
+    Only `GAUSSIAN` and `GAUSSIAN_NO_CONST` differ by model-independent terms, so only they give
+    the same PPO ratio; `SQUARED_ERROR` is not divided by 2 std^2, so its ratio is the true
+    ratio raised to the power 2 std^2 (a step-dependent temperature).
+    """
+
+    GAUSSIAN = "gaussian"  # log N(x_next; mean, std^2), the true log-density
+    GAUSSIAN_NO_CONST = "gaussian_no_const"  # drops -log(std) - log(sqrt(2 pi)): same ratio as GAUSSIAN
+    SQUARED_ERROR = "squared_error"  # -(x_next - mean)^2: SGLang's `rollout_log_prob_no_const`, Flow-GRPO's CPS
+
+
 @dataclass(frozen=True)
 class Transition:
     """Result of one step for a batch of B samples; tensors are fp32.
@@ -81,20 +94,24 @@ def transition_distribution(
 
 
 def gaussian_log_prob(
-    x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, without_constants: bool = False
+    x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, form: LogProbForm = LogProbForm.GAUSSIAN
 ) -> torch.Tensor:
-    """Mean over the non-batch elements of log N(x_next; mean, std^2), shape `(B,)`.
+    """Mean over the non-batch elements of the log-density of x_next in `form`, shape `(B,)`.
 
-    `without_constants` drops -log(std) - log(sqrt(2 pi)), the terms that do not depend on the
-    model and cancel in a PPO ratio; the ratio is the same either way. A zero std means a
-    deterministic step, whose log-prob is defined as 0, like the ODE's.
+    A zero std means a deterministic step, whose log-prob is defined as 0 in every form, like
+    the ODE's.
     """
     reduce_dims = tuple(range(1, x_next.ndim))
     if not bool(std > 0):
         return torch.zeros(x_next.shape[0], dtype=torch.float32, device=x_next.device)
-    log_density = -((x_next.float() - mean) ** 2) / (2 * std**2)
-    if not without_constants:
+    squared_error = (x_next.float() - mean) ** 2
+    if form is LogProbForm.SQUARED_ERROR:
+        return (-squared_error).mean(dim=reduce_dims)
+    log_density = -squared_error / (2 * std**2)
+    if form is LogProbForm.GAUSSIAN:
         log_density = log_density - torch.log(std) - _LOG_SQRT_2PI
+    elif form is not LogProbForm.GAUSSIAN_NO_CONST:
+        raise ValueError(f"unknown log-prob form {form!r}; expected one of {[f.value for f in LogProbForm]}")
     return log_density.mean(dim=reduce_dims)
 
 
@@ -109,7 +126,7 @@ def take_step(
     sigma_after_one: torch.Tensor,
     noise: torch.Tensor | None = None,
     x_next: torch.Tensor | None = None,
-    log_prob_without_constants: bool = False,
+    log_prob_form: LogProbForm = LogProbForm.GAUSSIAN,
 ) -> Transition:
     """Samples x_next from standard-normal `noise`, or scores a given `x_next`: pass exactly one.
 
@@ -121,5 +138,5 @@ def take_step(
         raise ValueError(f"a {kind.value} step needs exactly one of noise (to sample) or x_next (to score)")
     if x_next is None:
         x_next = mean if noise is None else mean + std * noise.float()
-    log_prob = gaussian_log_prob(x_next, mean, std, without_constants=log_prob_without_constants)
+    log_prob = gaussian_log_prob(x_next, mean, std, log_prob_form)
     return Transition(x_next=x_next.float(), mean=mean, noise_std=std, log_prob=log_prob)

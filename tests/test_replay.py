@@ -21,7 +21,9 @@ def rollout_log_probs(batch, steps):
     [
         dict(num_inference_steps=6),
         dict(num_inference_steps=6, sde_type="cps", noise_level=0.5),
-        dict(num_inference_steps=6, log_prob_without_constants=True, return_denoising_env=True),
+        dict(num_inference_steps=6, log_prob_form="gaussian_no_const", return_denoising_env=True),
+        dict(num_inference_steps=6, sde_type="cps", log_prob_form="squared_error", return_denoising_env=True),
+        dict(num_inference_steps=6, guidance_scale=1.0, return_denoising_env=True),  # no negative branch
         dict(num_inference_steps=6, sde_step_indices=[1, 2], return_step_indices=[1, 2, 3, 5]),
         dict(num_inference_steps=3),  # T + 1 == 4 samples below
     ],

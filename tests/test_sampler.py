@@ -143,13 +143,39 @@ def test_ode_sampling_draws_nothing_and_scores_zero(random_pipeline):
     assert torch.equal(s.debug.variance_noises, torch.zeros(4, 1, 16, 16))
 
 
-def test_denoising_env_holds_the_samples_conditioning(random_pipeline):
-    batch = run(random_pipeline, ["2", "5"], [1, 2], num_inference_steps=2, return_denoising_env=True)
-    encoded = random_pipeline.encode_prompts(["5"], [""])
+@pytest.mark.parametrize("guidance_scale", [2.0, 1.0])
+def test_denoising_env_holds_the_samples_conditioning(random_pipeline, guidance_scale):
+    options = dict(num_inference_steps=2, return_denoising_env=True, guidance_scale=guidance_scale)
+    batch = run(random_pipeline, ["2", "5"], [1, 2], **options)
+    encoded = random_pipeline.encode_prompts(["5"], [""], batch.options)
     env = batch.samples[1].denoising_env
-    assert set(env) == set(encoded.tensors)
-    for name, tensor in encoded.tensors.items():
-        assert torch.equal(env[name], tensor[0])
+    # SGLang's layout: transformer keyword arguments per branch; no negative branch without CFG.
+    assert list(env) == ["image_kwargs", "pos_cond_kwargs", "neg_cond_kwargs", "guidance"]
+    assert env["image_kwargs"] is None and env["guidance"] is None
+    assert set(env["pos_cond_kwargs"]) == {"encoder_hidden_states", "pooled_projections"}
+    for name, tensor in encoded.pos_cond_kwargs.items():
+        assert torch.equal(env["pos_cond_kwargs"][name], tensor[0])
+    if guidance_scale == 1.0:
+        assert env["neg_cond_kwargs"] is None
+    else:
+        for name, tensor in encoded.neg_cond_kwargs.items():
+            assert torch.equal(env["neg_cond_kwargs"][name], tensor[0])
+
+
+def test_true_cfg_scale_is_the_embedded_models_cfg_weight(random_pipeline):
+    common = dict(num_inference_steps=3, guidance_scale=2.0)
+    by_true_cfg = run(random_pipeline, ["4"], [3], true_cfg_scale=4.0, **common)
+    by_guidance = run(random_pipeline, ["4"], [3], num_inference_steps=3, guidance_scale=4.0)
+    default = run(random_pipeline, ["4"], [3], **common)
+    assert torch.equal(by_true_cfg.samples[0].latents, by_guidance.samples[0].latents)
+    assert not torch.equal(by_true_cfg.samples[0].latents, default.samples[0].latents)
+
+
+def test_keeping_no_latent_returns_an_empty_trajectory(random_pipeline):
+    batch = run(random_pipeline, ["1", "2"], [1, 2], num_inference_steps=3, return_step_indices=[])
+    for s in batch.samples:
+        assert s.latents.shape == (0, 1, 16, 16) and s.latent_step_indices.tolist() == []
+        assert s.log_probs.shape == (3,)
 
 
 @pytest.mark.parametrize(
@@ -169,6 +195,10 @@ def test_denoising_env_holds_the_samples_conditioning(random_pipeline):
         (dict(num_inference_steps=5, return_step_indices=[0, 2, 2]), "rollout_return_step_indices"),
         (dict(num_inference_steps=5, return_step_indices=["1"]), "rollout_return_step_indices"),
         (dict(guidance_scale=float("nan")), "guidance_scale"),
+        (dict(guidance_scale=-1.0), "guidance_scale"),
+        (dict(true_cfg_scale=float("inf")), "true_cfg_scale"),
+        (dict(log_prob_form="log_density"), "rollout_log_prob_form"),
+        (dict(height=0), "height"),
     ],
 )
 def test_bad_options_name_the_field(options, field):

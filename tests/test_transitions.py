@@ -8,7 +8,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.schedule import ScheduleSnapshot
-from rollout.transitions import TransitionKind, gaussian_log_prob, take_step
+from rollout.transitions import LogProbForm, TransitionKind, gaussian_log_prob, take_step
 
 SCHEDULE = ScheduleSnapshot.from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0), 10)
 SHAPE = (3, 1, 4, 4)
@@ -32,11 +32,14 @@ def reference_step(kind, x, v, s, s_next, eta, sigma_after_one, eps):
     return mean, noise_std, mean + noise_std * eps
 
 
-def reference_log_prob(x_next, mean, noise_std, without_constants):
+def reference_log_prob(x_next, mean, noise_std, form):
     if noise_std == 0:
         return np.zeros(x_next.shape[0])
-    density = -((x_next - mean) ** 2) / (2 * noise_std**2)
-    if not without_constants:
+    if form == "squared_error":
+        density = -((x_next - mean) ** 2)
+    else:
+        density = -((x_next - mean) ** 2) / (2 * noise_std**2)
+    if form == "gaussian":
         density = density - math.log(noise_std) - 0.5 * math.log(2 * math.pi)
     return density.reshape(x_next.shape[0], -1).mean(axis=1)
 
@@ -49,8 +52,8 @@ def draw(seed):
 @pytest.mark.parametrize("kind", list(TransitionKind))
 @pytest.mark.parametrize("step", [0, 1, 5, 9])
 @pytest.mark.parametrize("eta", [0.3, 0.7, 1.0])
-@pytest.mark.parametrize("without_constants", [False, True])
-def test_sampling_matches_the_reference(kind, step, eta, without_constants):
+@pytest.mark.parametrize("form", list(LogProbForm))
+def test_sampling_matches_the_reference(kind, step, eta, form):
     x, v, eps = draw(step)
     sigmas = SCHEDULE.sigmas
     transition = take_step(
@@ -62,7 +65,7 @@ def test_sampling_matches_the_reference(kind, step, eta, without_constants):
         eta=eta,
         sigma_after_one=sigmas[1],
         noise=None if kind is TransitionKind.ODE else eps,
-        log_prob_without_constants=without_constants,
+        log_prob_form=form,
     )
     mean, noise_std, x_next = reference_step(
         kind.value,
@@ -77,7 +80,7 @@ def test_sampling_matches_the_reference(kind, step, eta, without_constants):
     np.testing.assert_allclose(transition.mean.numpy(), mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(transition.noise_std.item(), noise_std, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(transition.x_next.numpy(), x_next, rtol=1e-5, atol=1e-6)
-    expected = reference_log_prob(transition.x_next.double().numpy(), mean, noise_std, without_constants)
+    expected = reference_log_prob(transition.x_next.double().numpy(), mean, noise_std, form.value)
     np.testing.assert_allclose(transition.log_prob.numpy(), expected, rtol=1e-4, atol=1e-4)
     assert transition.log_prob.shape == (SHAPE[0],)
     assert transition.x_next.dtype == transition.log_prob.dtype == torch.float32
@@ -123,19 +126,25 @@ def test_scoring_the_sampled_latent_gives_the_same_bits(kind):
     assert torch.equal(sampled.mean, scored.mean)
 
 
-def test_log_prob_without_constants_leaves_the_ratio_unchanged():
+def log_ratio(form, kind=TransitionKind.SDE):
+    """log p_new(x_next) - log p_old(x_next) for a velocity moved by 0.01, in `form`."""
     x, v, eps = draw(8)
     sigmas = SCHEDULE.sigmas
-    common = dict(eta=0.7, sigma_after_one=sigmas[1], noise=eps)
-    full = take_step(TransitionKind.SDE, x, v, sigmas[2], sigmas[3], **common)
-    shifted_v = v + 0.01
-    full_other = take_step(TransitionKind.SDE, x, shifted_v, sigmas[2], sigmas[3], x_next=full.x_next, eta=0.7, sigma_after_one=sigmas[1])
-    bare = take_step(TransitionKind.SDE, x, v, sigmas[2], sigmas[3], log_prob_without_constants=True, **common)
-    bare_other = take_step(
-        TransitionKind.SDE, x, shifted_v, sigmas[2], sigmas[3], x_next=full.x_next, eta=0.7,
-        sigma_after_one=sigmas[1], log_prob_without_constants=True,
-    )
-    torch.testing.assert_close(full_other.log_prob - full.log_prob, bare_other.log_prob - bare.log_prob)
+    common = dict(eta=0.7, sigma_after_one=sigmas[1], log_prob_form=form)
+    old = take_step(kind, x, v, sigmas[2], sigmas[3], noise=eps, **common)
+    new = take_step(kind, x, v + 0.01, sigmas[2], sigmas[3], x_next=old.x_next, **common)
+    return new.log_prob - old.log_prob, old.noise_std
+
+
+@pytest.mark.parametrize("kind", [TransitionKind.SDE, TransitionKind.CPS])
+def test_only_the_constants_free_gaussian_keeps_the_ppo_ratio(kind):
+    true_ratio, noise_std = log_ratio(LogProbForm.GAUSSIAN, kind)
+    without_constants, _ = log_ratio(LogProbForm.GAUSSIAN_NO_CONST, kind)
+    squared_error, _ = log_ratio(LogProbForm.SQUARED_ERROR, kind)
+    torch.testing.assert_close(without_constants, true_ratio)
+    # SGLang's constant-free form is the true log-ratio times 2 std^2: a step-dependent temperature.
+    torch.testing.assert_close(squared_error, true_ratio * 2 * noise_std**2, rtol=1e-3, atol=1e-7)
+    assert not torch.allclose(squared_error, true_ratio, rtol=0.1, atol=0)
 
 
 def test_zero_noise_is_deterministic_with_zero_log_prob():

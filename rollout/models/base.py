@@ -7,44 +7,90 @@ for its schedule (`set_timesteps`); the transitions themselves live in `rollout.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from rollout.options import SamplingOptions
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class Conditioning:
-    """Per-sample conditioning tensors, each of shape `(batch_size, ...)`.
+    """The transformer's per-sample inputs besides the latents and the time, each tensor `(B, ...)`.
 
-    Everything in here belongs to one sample per row; per-request data never goes in here.
-    The keys are model-specific (e.g. ``prompt_embeds``, ``pooled_prompt_embeds`` and their
-    negative twins) and are what a trainer needs to replay the model calls.
+    Laid out as SGLang's `denoising_env`, which is how a trainer gets them back to replay the
+    model calls: `pos_cond_kwargs` and `neg_cond_kwargs` are keyword arguments of the
+    transformer's forward for the positive and the negative (classifier-free guidance) branch,
+    `image_kwargs` those of an image input, `guidance` a guidance-distilled model's guidance
+    input. A part the model does not use is None (`neg_cond_kwargs` when it runs without a
+    negative branch). Everything in here belongs to one sample per row; per-request data never
+    goes in here.
     """
 
-    tensors: dict[str, torch.Tensor]
+    image_kwargs: dict[str, torch.Tensor] | None = None
+    pos_cond_kwargs: dict[str, torch.Tensor]
+    neg_cond_kwargs: dict[str, torch.Tensor] | None = None
+    guidance: torch.Tensor | None = None
 
     def __post_init__(self):
-        sizes = {name: t.shape[0] for name, t in self.tensors.items()}
-        if len(set(sizes.values())) > 1:
-            raise ValueError(f"conditioning tensors disagree on the batch size: {sizes}")
+        sizes = {len(t) for t in self._tensors()}
+        if len(sizes) > 1:
+            raise ValueError(f"conditioning tensors disagree on the batch size: {sorted(sizes)}")
+
+    def _tensors(self) -> list[torch.Tensor]:
+        kwargs = (self.image_kwargs, self.pos_cond_kwargs, self.neg_cond_kwargs)
+        guidance = [] if self.guidance is None else [self.guidance]
+        return [t for part in kwargs if part for t in part.values()] + guidance
 
     def __len__(self) -> int:
-        return next(iter(self.tensors.values())).shape[0] if self.tensors else 0
+        tensors = self._tensors()
+        return tensors[0].shape[0] if tensors else 0
+
+    def parts(self) -> dict[str, Any]:
+        """The four parts by name, in SGLang's order."""
+        return {part.name: getattr(self, part.name) for part in dataclasses.fields(self)}
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Conditioning":
+        """The same layout with `fn` applied to every tensor."""
+        return Conditioning(**_map_tensors(self.parts(), fn))
 
     def rows(self, index: torch.Tensor | slice) -> "Conditioning":
-        return Conditioning({name: t[index] for name, t in self.tensors.items()})
+        return self.map(lambda t: t[index])
 
-    def row(self, i: int) -> dict[str, torch.Tensor]:
-        """Sample `i`'s tensors, without the batch dimension, as independent copies."""
-        return {name: t[i].clone() for name, t in self.tensors.items()}
+    def row(self, i: int) -> dict[str, Any]:
+        """Sample `i`'s `denoising_env`: the four parts, tensors without the batch dimension, copied."""
+        return _map_tensors(self.parts(), lambda t: t[i].clone())
 
     @classmethod
-    def stack(cls, rows: Sequence[dict[str, torch.Tensor]]) -> "Conditioning":
-        """Inverse of `row`: builds a batch from per-sample tensor maps."""
-        names = rows[0].keys()
-        return cls({name: torch.stack([r[name] for r in rows]) for name in names})
+    def stack(cls, envs: Sequence[dict[str, Any]]) -> "Conditioning":
+        """Inverse of `row`: a batch from per-sample `denoising_env` maps."""
+
+        def stacked(part: str):
+            first = envs[0][part]
+            if first is None:
+                return None
+            if isinstance(first, torch.Tensor):
+                return torch.stack([env[part] for env in envs])
+            return {name: torch.stack([env[part][name] for env in envs]) for name in first}
+
+        return cls(**{part.name: stacked(part.name) for part in dataclasses.fields(cls)})
+
+
+
+
+
+def _map_tensors(parts: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
+    def over(value):
+        if value is None:
+            return None
+        if isinstance(value, torch.Tensor):
+            return fn(value)
+        return {name: fn(t) for name, t in value.items()}
+
+    return {name: over(value) for name, value in parts.items()}
 
 
 @runtime_checkable
@@ -75,24 +121,28 @@ class RolloutPipeline(Protocol):
         model cannot condition on, without encoding anything (servers check before batching)."""
         ...
 
-    def encode_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> Conditioning:
+    def encode_prompts(
+        self, prompts: Sequence[str], negative_prompts: Sequence[str], options: SamplingOptions
+    ) -> Conditioning:
         """Encodes one prompt (and one negative prompt) per sample.
 
-        Raises `UnknownPromptError` naming ``prompt`` or ``negative_prompt`` for a prompt the
-        model cannot condition on.
+        `options` (with the model's defaults filled in) says whether the negative branch runs;
+        when it does not, `neg_cond_kwargs` is None. Raises `UnknownPromptError` naming
+        ``prompt`` or ``negative_prompt`` for a prompt the model cannot condition on.
         """
         ...
 
     def predict_velocity(
-        self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, guidance_scale: float
+        self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, options: SamplingOptions
     ) -> torch.Tensor:
         """Velocity `v` such that `x_{t+dt} = x_t + dt * v` is the Euler (ODE) step.
 
         Args:
             x_t: latents of shape `(B, *latent_shape)`, fp32.
             timestep: the scheduler's timestep for every row, shape `(B,)`.
-            conditioning: `B` rows.
-            guidance_scale: classifier-free guidance scale; 1 means no guidance.
+            conditioning: `B` rows, as `encode_prompts` made them for the same `options`.
+            options: the request's options with the model's defaults filled in; the model reads
+                its guidance from them (`guidance_scale`, `true_cfg_scale`).
 
         Returns:
             fp32 tensor of the shape of `x_t`, guidance already applied.

@@ -21,6 +21,7 @@ from torch import nn
 
 from rollout.errors import InvalidRequestError, UnknownPromptError
 from rollout.models.base import Conditioning
+from rollout.options import SamplingOptions
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "digit-flow"
 IMAGE_SIZE = 16
@@ -195,47 +196,45 @@ class DigitFlowPipeline:
     def check_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> None:
         self._class_ids(prompts, negative_prompts)
 
-    def encode_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> Conditioning:
+    def cfg_scale(self, options: SamplingOptions) -> float:
+        """The classifier-free guidance weight: `true_cfg_scale` when given, else `guidance_scale`.
+
+        This model's only guidance is classifier-free guidance, so it reads SGLang's
+        `true_cfg_scale` as diffusers' FLUX.1 and Qwen-Image pipelines do: the CFG weight.
+        """
+        return options.guidance_scale if options.true_cfg_scale is None else options.true_cfg_scale
+
+    def encode_prompts(
+        self, prompts: Sequence[str], negative_prompts: Sequence[str], options: SamplingOptions
+    ) -> Conditioning:
         positive_ids, negative_ids = self._class_ids(prompts, negative_prompts)
-        positive = torch.tensor(positive_ids, device=self.device)
-        negative = torch.tensor(negative_ids, device=self.device)
         with torch.no_grad():
-            prompt_embeds, pooled = self.prompt_encoder(positive)
-            negative_embeds, negative_pooled = self.prompt_encoder(negative)
-        return Conditioning(
-            {
-                "prompt_embeds": prompt_embeds,
-                "pooled_prompt_embeds": pooled,
-                "negative_prompt_embeds": negative_embeds,
-                "negative_pooled_prompt_embeds": negative_pooled,
-            }
-        )
+            positive = self._transformer_kwargs(positive_ids)
+            negative = self._transformer_kwargs(negative_ids) if self.cfg_scale(options) != 1.0 else None
+        return Conditioning(pos_cond_kwargs=positive, neg_cond_kwargs=negative)
+
+    def _transformer_kwargs(self, class_ids: list[int]) -> dict[str, torch.Tensor]:
+        prompt_embeds, pooled = self.prompt_encoder(torch.tensor(class_ids, device=self.device))
+        return {"encoder_hidden_states": prompt_embeds, "pooled_projections": pooled}
 
     @torch.no_grad()
     def predict_velocity(
-        self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, guidance_scale: float
+        self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, options: SamplingOptions
     ) -> torch.Tensor:
-        c = conditioning.tensors
-        guided = guidance_scale != 1.0
-        if guided:
-            # One transformer call for both branches: rows [negative; positive].
-            x_in = torch.cat([x_t, x_t])
-            t_in = torch.cat([timestep, timestep])
-            embeds = torch.cat([c["negative_prompt_embeds"], c["prompt_embeds"]])
-            pooled = torch.cat([c["negative_pooled_prompt_embeds"], c["pooled_prompt_embeds"]])
-        else:
-            x_in, t_in, embeds, pooled = x_t, timestep, c["prompt_embeds"], c["pooled_prompt_embeds"]
-        v = self.transformer(
-            hidden_states=x_in.to(self.dtype),
-            encoder_hidden_states=embeds,
-            pooled_projections=pooled,
-            timestep=t_in,
-            return_dict=False,
-        )[0].float()
-        if not guided:
-            return v
-        v_uncond, v_cond = v.chunk(2)
-        return v_uncond + guidance_scale * (v_cond - v_uncond)
+        scale = self.cfg_scale(options)
+        if scale == 1.0:
+            return self._velocity(x_t, timestep, conditioning.pos_cond_kwargs)
+        if conditioning.neg_cond_kwargs is None:
+            raise ValueError("classifier-free guidance needs the negative branch's conditioning (neg_cond_kwargs)")
+        # One transformer call for both branches: rows [negative; positive].
+        negative, positive = conditioning.neg_cond_kwargs, conditioning.pos_cond_kwargs
+        both = {name: torch.cat([negative[name], positive[name]]) for name in positive}
+        v_uncond, v_cond = self._velocity(torch.cat([x_t, x_t]), torch.cat([timestep, timestep]), both).chunk(2)
+        return v_uncond + scale * (v_cond - v_uncond)
+
+    def _velocity(self, x_t: torch.Tensor, timestep: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
+        output = self.transformer(hidden_states=x_t.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)
+        return output[0].float()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return ((latents.float() + 1) / 2).clamp(0, 1)

@@ -18,6 +18,13 @@ def available_models() -> list[str]:
     return sorted(_LOADERS)
 
 
+def resolve_model_path(model: str, path: str | Path | None = None) -> Path:
+    """The directory `load_pipeline(model, path)` loads from: `path`, or the model's packaged weights."""
+    if model not in _LOADERS:
+        raise InvalidRequestError("model", f"unknown model {model!r}; available: {available_models()}")
+    return Path(path) if path is not None else _LOADERS[model][1]
+
+
 def load_pipeline(
     model: str = EMBEDDED_MODEL,
     path: str | Path | None = None,
@@ -25,8 +32,6 @@ def load_pipeline(
     dtype: torch.dtype = torch.float32,
 ) -> RolloutPipeline:
     """Loads `model` from `path` (default: its packaged weights) onto `device` (default: CUDA if present)."""
-    if model not in _LOADERS:
-        raise InvalidRequestError("model", f"unknown model {model!r}; available: {available_models()}")
-    pipeline_class, default_path = _LOADERS[model]
+    model_path = resolve_model_path(model, path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return pipeline_class.from_pretrained(path or default_path, torch_dtype=dtype, device=device)
+    return _LOADERS[model][0].from_pretrained(model_path, torch_dtype=dtype, device=device)

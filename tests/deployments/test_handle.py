@@ -8,7 +8,7 @@ import ray
 import torch
 
 from rollout.api import RolloutRequest
-from rollout.errors import InvalidRequestError, UnknownPromptError
+from rollout.errors import InvalidRequestError, RequestSchemaError, UnknownPromptError
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
@@ -36,7 +36,7 @@ def test_requests_fan_out_over_both_replicas(handle):
 
 
 def test_a_part_carries_its_schedule_once_across_the_object_store(handle):
-    body = {"prompt": "7", "num_outputs_per_prompt": 8, "num_inference_steps": 50, "seed": 1}
+    body = {"prompt": "7", "num_outputs_per_prompt": 8, "num_inference_steps": 50, "seed": 1, "rollout_debug_mode": False}
     ref = handle.generate.remote(body).result().parts[0]  # 4 of the 8 samples
     part = ray.get(ref)
     samples = part.batch.samples
@@ -95,7 +95,8 @@ def test_async_use_inside_an_event_loop(handle):
         ({"prompt": "7", "num_outputs_per_prompt": 0}, InvalidRequestError, "num_outputs_per_prompt"),
         ({"prompt": "7", "num_inference_steps": 51}, InvalidRequestError, "num_inference_steps"),
         ({"prompt": "7", "rollout_noise_level": float("nan")}, InvalidRequestError, "rollout_noise_level"),
-        ({"prompt": "7", "bogus": 1}, InvalidRequestError, "bogus"),
+        ({"prompt": "7", "bogus": 1}, RequestSchemaError, "bogus"),
+        ({"prompt": 7}, RequestSchemaError, "prompt"),
     ],
 )
 def test_bad_handle_requests_raise_typed_errors(handle, body, error, field):
@@ -114,4 +115,6 @@ def test_unknown_prompts_raise_when_the_parts_are_fetched(handle):
 
 def test_sampling_options_match_the_library(handle):
     batch = handle.generate.remote({"prompt": "2", "num_inference_steps": 4, "rollout_sde_type": "cps"}).result().batch()
-    assert batch.options == SamplingOptions(num_inference_steps=4, height=16, width=16, guidance_scale=2.0, sde_type="cps")
+    # SGLang's defaults: rollout_debug_mode is on unless a request turns it off.
+    expected = dict(num_inference_steps=4, height=16, width=16, guidance_scale=2.0, sde_type="cps", debug=True)
+    assert batch.options == SamplingOptions(**expected)
