@@ -82,8 +82,12 @@ def main() -> None:
         "num_outputs_per_prompt": args.outputs_per_prompt,
         "num_inference_steps": args.steps,
         "seed": 0,
+        "rollout_debug_mode": False,  # on by default, as in SGLang
     }
-    single = [{"prompt": str(i % 10), "num_inference_steps": args.steps, "seed": i} for i in range(16)]
+    single = [
+        {"prompt": str(i % 10), "num_inference_steps": args.steps, "seed": i, "rollout_debug_mode": False}
+        for i in range(16)
+    ]
     num_samples = args.prompts * args.outputs_per_prompt
     results = []
 

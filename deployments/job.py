@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             num_inference_steps=args.num_inference_steps,
             rollout_sde_type=args.sde_type,
             rollout_noise_level=args.noise_level,
+            rollout_debug_mode=False,  # the shards keep no debug tensors
             seed=args.seed + start * args.num_outputs_per_prompt,
         )
         for start in range(0, len(prompts), per_request)

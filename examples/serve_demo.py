@@ -71,6 +71,7 @@ def main() -> None:
             "num_inference_steps": args.steps,
             "seed": 0,
             "rollout_sde_type": "sde",
+            "rollout_debug_mode": False,  # on by default, as in SGLang; the demo reads no debug tensors
             "rollout_return_dit_trajectory": True,
         }
         sent = time.perf_counter()
