@@ -7,7 +7,6 @@ deployment handle (`generate`, for RL loops inside the cluster).
 # No `from __future__ import annotations` here: FastAPI must see the route parameters' real
 # types, and `serve.ingress` rebuilds the routes where string annotations no longer resolve.
 import asyncio
-import importlib.metadata
 import logging
 import math
 import time
@@ -20,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments import discovery
 from deployments.config import RolloutAppConfig
 from deployments.worker import WorkerResult
 from rollout.api import RolloutPlan, RolloutRequest, parse_request, plan_rollout, response_rows, unknown_fields
@@ -29,8 +29,6 @@ from rollout.trajectory import RolloutBatch
 
 logger = logging.getLogger("ray.serve")
 MSGPACK = "application/msgpack"
-TASK_TYPE = "T2I"  # SGLang's name for text-to-image, the task of every model served here
-SERVER_VERSION = importlib.metadata.version("diffusion-rollout")
 
 app = FastAPI(title="diffusion rollout server")
 
@@ -100,8 +98,9 @@ class RolloutIngress:
 
     def _plan(self, request: RolloutRequest | dict[str, Any]) -> RolloutPlan:
         validation = self.config.request_validation
-        if validation == "sglang" and isinstance(request, dict) and unknown_fields(request):
-            logger.warning("ignoring unknown request fields %s", unknown_fields(request)[:10])
+        ignored = unknown_fields(request) if validation == "sglang" and isinstance(request, dict) else []
+        if ignored:
+            logger.warning("ignoring unknown request fields %s", ignored[:10])
         return plan_rollout(parse_request(request, validation), self.config.limits)
 
     async def _dispatch(self, plan: RolloutPlan) -> list[ray.ObjectRef]:
@@ -129,71 +128,27 @@ class RolloutIngress:
             self._worker_info = await self.worker.info.remote()
         return {**self._worker_info, "limits": self.config.limits.model_dump(), "max_batch_size": self.config.max_batch_size}
 
-    def _served_model_name(self) -> str:
-        return self.config.served_model_name or self.config.model.name
-
     @app.get("/health")
+    @app.get("/liveness")  # SGLang's name
     async def health(self) -> dict:
-        return {"status": "ok"}
-
-    @app.get("/liveness")
-    async def liveness(self) -> dict:
         return {"status": "ok"}
 
     @app.get("/rollout/info")
     async def http_info(self) -> dict:
         return await self.info()
 
-    # SGLang's discovery endpoints, with the fields its model gateway reads.
+    # SGLang's discovery endpoints, which trainers and SGLang's model gateway call.
     @app.get("/model_info")
     async def model_info(self) -> dict:
-        info = await self.info()
-        return {
-            "model_path": info["model_path"],
-            "is_generation": True,
-            "model_type": "diffusion",
-            "architectures": [info["pipeline_class"]],
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "task_type": TASK_TYPE,
-            "supported_task_types": [TASK_TYPE],
-            "output_types": ["IMAGE"],
-            "is_image_gen": True,
-            "weight_version": info["weight_version"],
-        }
+        return discovery.model_info(await self.info())
 
     @app.get("/server_info")
     async def server_info(self) -> dict:
-        info = await self.info()
-        return {
-            "model_path": info["model_path"],
-            "served_model_name": self._served_model_name(),
-            "tp_size": 1,
-            "dp_size": self.config.num_worker_replicas,
-            "version": SERVER_VERSION,
-        }
+        return discovery.server_info(await self.info(), self.config)
 
     @app.get("/v1/models")
     async def models(self) -> dict:
-        info = await self.info()
-        name = self._served_model_name()
-        card = {
-            "id": name,
-            "object": "model",
-            "created": self._started,
-            "owned_by": "diffusion-rollout",
-            "root": name,
-            "parent": None,
-            "max_model_len": None,
-            "num_gpus": self.config.num_worker_replicas if info["device"].startswith("cuda") else 0,
-            "task_type": TASK_TYPE,
-            "supported_task_types": [TASK_TYPE],
-            "dit_precision": info["dtype"],
-            "vae_precision": info["dtype"],
-            "pipeline_name": info["model"],
-            "pipeline_class": info["pipeline_class"],
-        }
-        return {"object": "list", "data": [card]}
+        return discovery.model_list(await self.info(), self.config, self._started)
 
     @app.post("/rollout/generate")
     async def http_generate(self, http_request: Request) -> Response:

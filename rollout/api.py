@@ -71,7 +71,7 @@ class RolloutRequest(BaseModel):
     rollout_sde_step_indices: list[int] | None = Field(None, description="Stochastic steps; others run as ODE.")
     rollout_return_step_indices: list[int] | None = Field(None, description="Latents to return; T is the final one.")
     image_path: list[str] | None = Field(None, description="Input images of image-to-image models.")
-    suppress_logs: bool = Field(False, description="No per-request logs, and no `peak_memory_mb` measurement.")
+    suppress_logs: bool = Field(False, description="Report no `peak_memory_mb`, as SGLang (this server logs no requests).")
     extra_sampling_params: dict[str, Any] | None = Field(
         None, description="Overrides of the fields above, merged as SGLang merges them."
     )
