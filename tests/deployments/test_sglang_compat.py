@@ -119,9 +119,9 @@ def test_unset_outputs_are_nil_not_missing(http, base_url, accept):
     assert evaluation["rollout_log_probs"] is None
 
 
-def test_debug_mode_is_on_unless_turned_off(http, base_url):
+def test_debug_mode_is_on_unless_turned_off(http, base_url, accept):
     """Item 2: SGLang's `rollout_debug_mode` defaults to true."""
-    row = generate(http, base_url, {"prompt": "5", "num_inference_steps": 3})[0]
+    row = generate(http, base_url, {"prompt": "5", "num_inference_steps": 3}, accept)[0]
     assert set(row["rollout_debug_tensors"]) == {
         "rollout_variance_noises",
         "rollout_prev_sample_means",
@@ -244,12 +244,13 @@ def test_log_probs_are_sglangs_and_replay_sglangs_way(http, base_url, accept, sd
             torch.testing.assert_close(row["rollout_log_probs"][i], controller, rtol=1e-5, atol=1e-6)
 
 
-def test_the_variance_normalised_form_is_an_extension(http, base_url):
+def test_the_variance_normalised_form_is_an_extension(http, base_url, accept):
     """Item 10: the constants-free Gaussian stays available as `rollout_log_prob_form`."""
     body = {"prompt": "6", "num_inference_steps": 4, "seed": 3}
-    gaussian = generate(http, base_url, body)[0]
-    without_constants = generate(http, base_url, {**body, "rollout_log_prob_form": "gaussian_no_const"})[0]
-    squared_error = generate(http, base_url, {**body, "rollout_log_prob_no_const": True})[0]["rollout_log_probs"]
+    gaussian = generate(http, base_url, body, accept)[0]
+    without_constants = generate(http, base_url, {**body, "rollout_log_prob_form": "gaussian_no_const"}, accept)[0]
+    no_const = {**body, "rollout_log_prob_no_const": True}
+    squared_error = generate(http, base_url, no_const, accept)[0]["rollout_log_probs"]
     assert not torch.allclose(without_constants["rollout_log_probs"], squared_error)
     # It differs from the log-density by -log(std) - log(sqrt(2 pi)) per step: the same PPO ratio.
     std = gaussian["rollout_debug_tensors"]["rollout_noise_std_devs"].squeeze(-1)
@@ -262,7 +263,7 @@ def test_the_variance_normalised_form_is_an_extension(http, base_url):
     assert response.status_code == 400 and response.json()["error"]["field"] == "rollout_log_prob_form"
 
 
-def test_every_sglang_request_field_is_accepted(http, base_url):
+def test_every_sglang_request_field_is_accepted(http, base_url, accept):
     """Item 1: SGLang's other fields, with values an image model can serve."""
     body = {
         "prompt": "1",
@@ -276,21 +277,21 @@ def test_every_sglang_request_field_is_accepted(http, base_url):
         "num_outputs_per_prompt": None,
         "extra_sampling_params": {"num_inference_steps": 4, "rollout": True},
     }
-    rows = generate(http, base_url, body)
+    rows = generate(http, base_url, body, accept)
     assert len(rows) == 1  # num_outputs_per_prompt: null is SGLang's default, 1
     assert rows[0]["rollout_log_probs"].shape == (4,)  # extra_sampling_params overrides, as SGLang merges it
     assert rows[0]["peak_memory_mb"] is None
     # Noise comes from per-sample CPU generators whatever generator_device says.
-    on_cuda = generate(http, base_url, {**body, "generator_device": "cuda"})[0]
+    on_cuda = generate(http, base_url, {**body, "generator_device": "cuda"}, accept)[0]
     assert torch.equal(on_cuda["generated_output"], rows[0]["generated_output"])
 
 
-def test_true_cfg_scale_is_honoured(http, base_url):
+def test_true_cfg_scale_is_honoured(http, base_url, accept):
     """Item 1: `true_cfg_scale` is the embedded model's classifier-free guidance weight."""
     body = {"prompt": "0", "num_inference_steps": 4, "seed": 11, "rollout_debug_mode": False}
-    by_true_cfg = generate(http, base_url, {**body, "true_cfg_scale": 4.0})[0]["generated_output"]
-    by_guidance = generate(http, base_url, {**body, "guidance_scale": 4.0})[0]["generated_output"]
-    default = generate(http, base_url, body)[0]["generated_output"]
+    by_true_cfg = generate(http, base_url, {**body, "true_cfg_scale": 4.0}, accept)[0]["generated_output"]
+    by_guidance = generate(http, base_url, {**body, "guidance_scale": 4.0}, accept)[0]["generated_output"]
+    default = generate(http, base_url, body, accept)[0]["generated_output"]
     assert torch.equal(by_true_cfg, by_guidance) and not torch.equal(by_true_cfg, default)
 
 
@@ -309,6 +310,8 @@ SGLANG_ERRORS = [
     ({"num_frames": 17}, "num_frames", 400),  # a value this image model cannot serve
     ({"image_path": ["cat.png"]}, "image_path", 400),
     ({"extra_sampling_params": {"sigmas": [1.0, 0.5]}}, "extra_sampling_params.sigmas", 400),
+    ({"extra_sampling_params": {"rollout": False}}, "extra_sampling_params.rollout", 400),
+    ({"extra_sampling_params": {"num_inference_steps": "8"}}, "extra_sampling_params.num_inference_steps", 422),
     ({"prompt": 7}, "prompt", 422),
     ({"seed": "seven"}, "seed", 422),
     ({"rollout_return_step_indices": "all"}, "rollout_return_step_indices", 422),
@@ -326,7 +329,8 @@ def test_errors_use_sglangs_status_and_detail(http, base_url, change, field, sta
     if status == 400:
         assert body["detail"].startswith("Invalid sampling params: ") and field in body["detail"]
     else:
-        assert [error["loc"] for error in body["detail"]][0][:2] == ["body", field]
+        location = body["detail"][0]["loc"]
+        assert location[0] == "body" and ".".join(map(str, location[1:])).startswith(field)
 
 
 def test_a_typo_is_refused_with_a_suggestion(http, base_url):
@@ -356,12 +360,12 @@ def test_discovery_endpoints(http, base_url, path):
         assert info == {"status": "ok"}
 
 
-def test_better_than_sglang_where_sglang_fails(http, base_url):
+def test_better_than_sglang_where_sglang_fails(http, base_url, accept):
     """Item 11: SGLang answers 500 without a seed and asserts on ODE with constants kept."""
-    rows = generate(http, base_url, {"prompt": "3", "num_outputs_per_prompt": 2, "num_inference_steps": 2})
+    rows = generate(http, base_url, {"prompt": "3", "num_outputs_per_prompt": 2, "num_inference_steps": 2}, accept)
     assert isinstance(rows[0]["seed"], int) and rows[0]["seed"] == rows[1]["seed"]
     assert rows[1]["sample_seed"] == rows[0]["seed"] + 1
-    ode = generate(http, base_url, {"prompt": "3", "rollout_sde_type": "ode", "num_inference_steps": 3})[0]
+    ode = generate(http, base_url, {"prompt": "3", "rollout_sde_type": "ode", "num_inference_steps": 3}, accept)[0]
     assert torch.equal(ode["rollout_log_probs"], torch.zeros(3))
 
 
@@ -384,6 +388,9 @@ def test_sglang_mode_ignores_unknown_fields_and_coerces(http, lenient_url):
     # The typo was ignored, so the default transition ran: SDE has a noise std at every step.
     strict_sde = {"prompt": "4", "num_inference_steps": 3, "seed": 5, "rollout_debug_mode": False}
     assert torch.equal(row["rollout_log_probs"], generate(http, lenient_url, strict_sde)[0]["rollout_log_probs"])
+    # SGLang keeps the top-level `rollout` whatever `extra_sampling_params` says.
+    kept = generate(http, lenient_url, {**strict_sde, "extra_sampling_params": {"rollout": False}})[0]
+    assert torch.equal(kept["rollout_log_probs"], row["rollout_log_probs"])
     # Values are still checked: 400 as in SGLang.
     response = http.post(f"{lenient_url}/rollout/generate", json={**body, "rollout_noise_level": -1})
     assert response.status_code == 400
