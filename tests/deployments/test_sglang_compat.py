@@ -190,6 +190,10 @@ def test_trajectory_timesteps_label_each_returned_latent(http, base_url, accept)
         assert torch.equal(filtered["latents"], full["latents"][kept])
         assert torch.equal(filtered["sigmas"], full["sigmas"])
         assert torch.equal(filtered["scheduler_timesteps"], scheduler_timesteps)
+    # Keeping no latent: SGLang drops dit_trajectory (and the schedule with it); here it stays.
+    empty = generate(http, base_url, {**body, "rollout_return_step_indices": []}, accept)[0]["dit_trajectory"]
+    assert empty["latents"].shape == (0, 1, 16, 16) and empty["timesteps"].shape == (0,)
+    assert torch.equal(empty["sigmas"], full["sigmas"])
 
 
 def flow_grpo_step(kind, x_t, v, sigma, sigma_next, sigma_max, eta):
