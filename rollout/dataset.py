@@ -55,7 +55,7 @@ class RolloutDatasetWriter:
         records = sample_records or [{} for _ in samples]
         for row, (sample, extra) in enumerate(zip(samples, records)):
             record = {"shard": shard, "row": row, "prompt": sample.prompt, "negative_prompt": sample.negative_prompt}
-            self.samples.append({**record, "seed": sample.seed, **extra})
+            self.samples.append({**record, "seed": sample.seed, "weight_version": sample.weight_version, **extra})
         return path
 
     def close(self) -> Path:
@@ -92,6 +92,7 @@ def load_rollouts(directory: str | Path) -> tuple[dict[str, Any], list[RolloutBa
                 prompt=record["prompt"],
                 negative_prompt=record["negative_prompt"],
                 seed=record["seed"],
+                weight_version=record.get("weight_version"),
                 **{name: tensors[name][row].clone() for name in PER_SAMPLE_TENSORS},
             )
             for row, record in enumerate(records)

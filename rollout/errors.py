@@ -9,8 +9,8 @@ class RolloutError(Exception):
     """Base class of every error this library raises on purpose."""
 
 
-class InvalidRequestError(RolloutError, ValueError):
-    """A request field has a value the library cannot serve.
+class FieldError(RolloutError, ValueError):
+    """Bad input, named.
 
     Attributes:
         field: Name of the offending field, as the caller spelled it (e.g. ``"num_inference_steps"``).
@@ -25,6 +25,15 @@ class InvalidRequestError(RolloutError, ValueError):
     def __reduce__(self):
         # Errors cross process boundaries (Ray pickles them); rebuild from both fields.
         return (type(self), (self.field, self.reason))
+
+
+class InvalidRequestError(FieldError):
+    """A request field has a value the library cannot serve."""
+
+
+class WeightUpdateError(FieldError):
+    """A weight update that cannot be applied (a missing weight, a bad file, a refusing replica);
+    nothing was changed."""
 
 
 class RequestSchemaError(InvalidRequestError):

@@ -53,7 +53,7 @@ def replay_log_probs(
     options: SamplingOptions,
     samples: Sequence[SampleTrajectory],
 ) -> ReplayedLogProbs:
-    """Recomputes the log-probs of every replayable step of `samples`.
+    """Recomputes the log-probs of every replayable step of `samples`, without gradients.
 
     Args:
         pipeline: the trainer's model; its velocities are what is being evaluated.
@@ -62,13 +62,30 @@ def replay_log_probs(
         samples: samples of one rollout batch; their conditioning comes from `denoising_env`
             when returned, otherwise the prompts are encoded again.
     """
-    if len(samples) == 0:
-        raise InvalidRequestError("samples", "needs at least one sample")
-    kept_steps = samples[0].latent_step_indices
-    if any(not torch.equal(s.latent_step_indices, kept_steps) for s in samples):
-        raise InvalidRequestError("samples", "all samples must keep the same latent steps")
-    steps = replayable_steps(kept_steps)
+    steps = replayable_steps(_kept_steps(samples))
+    log_probs = transition_log_probs(pipeline, schedule, options, samples, steps).cpu()
+    return ReplayedLogProbs(step_indices=torch.tensor(steps, dtype=torch.int64), log_probs=log_probs)
+
+
+def transition_log_probs(
+    pipeline: RolloutPipeline,
+    schedule: ScheduleSnapshot,
+    options: SamplingOptions,
+    samples: Sequence[SampleTrajectory],
+    steps: Sequence[int],
+) -> torch.Tensor:
+    """Log-probs `(N, len(steps))` of the transitions x_i -> x_{i+1} the samples took at `steps`.
+
+    Differentiable: with autograd on, gradients flow into the pipeline's trainable weights (a
+    policy-gradient loss). The code is the sampler's, so with the rollout's weights the values
+    equal the rollout's log-probs bit for bit. Each step needs x_i and x_{i+1} among the kept
+    latents (`replayable_steps`). Arguments as for `replay_log_probs`.
+    """
+    kept_steps = _kept_steps(samples)
     position = {step: k for k, step in enumerate(kept_steps.tolist())}
+    not_replayable = [step for step in steps if step not in position or step + 1 not in position]
+    if not_replayable:
+        raise InvalidRequestError("steps", f"steps {not_replayable} lack x_i or x_(i+1) among the kept latents")
     device = pipeline.device
     latents = torch.stack([s.latents for s in samples]).to(device)  # (N, K, ...)
     sigmas = schedule.sigmas.to(device)
@@ -91,5 +108,13 @@ def replay_log_probs(
             log_prob_form=options.log_prob_form,
         )
         log_probs.append(transition.log_prob)
-    stacked = torch.stack(log_probs, dim=1).cpu() if log_probs else torch.zeros(len(samples), 0)
-    return ReplayedLogProbs(step_indices=torch.tensor(steps, dtype=torch.int64), log_probs=stacked)
+    return torch.stack(log_probs, dim=1) if log_probs else latents.new_zeros(len(samples), 0)
+
+
+def _kept_steps(samples: Sequence[SampleTrajectory]) -> torch.Tensor:
+    if len(samples) == 0:
+        raise InvalidRequestError("samples", "needs at least one sample")
+    kept_steps = samples[0].latent_step_indices
+    if any(not torch.equal(s.latent_step_indices, kept_steps) for s in samples):
+        raise InvalidRequestError("samples", "all samples must keep the same latent steps")
+    return kept_steps

@@ -86,6 +86,7 @@ def sample(
     options: SamplingOptions,
     negative_prompts: Sequence[str] | None = None,
     mu: float | None = None,
+    weight_version: str | None = None,
 ) -> RolloutBatch:
     """Generates one sample per prompt and records its trajectory.
 
@@ -94,6 +95,7 @@ def sample(
         seeds: one seed per sample.
         negative_prompts: one per sample; defaults to the empty prompt.
         mu: the schedule's resolution-dependent shift, for schedulers that use dynamic shifting.
+        weight_version: the name of the pipeline's current weights, recorded in every sample.
 
     Returns:
         A `RolloutBatch` holding the schedule once and one `SampleTrajectory` per prompt.
@@ -167,6 +169,7 @@ def sample(
             log_probs=log_probs[i].clone(),
             latents=latents[i].clone(),
             latent_step_indices=latent_step_indices.clone(),
+            weight_version=weight_version,
             debug=StepDebug(velocities[i].clone(), means[i].clone(), noise_stds.clone(), noises[i].clone())
             if options.debug
             else None,

@@ -49,6 +49,7 @@ class SampleTrajectory:
         latents: `(K, *latent_shape)` fp32, the kept latents.
         latent_step_indices: `(K,)` int64, the absolute step of each kept latent (T is x_T).
         schedule: the request's schedule, the same object for every sample of the request.
+        weight_version: the version of the weights that sampled it, as the server names them.
         debug: per-step internals, when asked for.
         denoising_env: this sample's conditioning, when asked for: `Conditioning.row`'s map in
             SGLang's layout (`image_kwargs`, `pos_cond_kwargs`, `neg_cond_kwargs`, `guidance`),
@@ -64,6 +65,7 @@ class SampleTrajectory:
     log_probs: torch.Tensor
     latents: torch.Tensor
     latent_step_indices: torch.Tensor
+    weight_version: str | None = None
     debug: StepDebug | None = None
     denoising_env: dict[str, Any] | None = None
 

@@ -109,6 +109,12 @@ class RolloutPipeline(Protocol):
     @property
     def device(self) -> torch.device: ...
 
+    @property
+    def weight_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules that hold weights, by the names of their checkpoint entries on disk
+        (``transformer``, ...): what weight updates, LoRA adapters and checksums address."""
+        ...
+
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """Shape of one sample's latents for an image of `height` x `width` pixels.
 

@@ -127,6 +127,10 @@ class DigitFlowPipeline:
         return self.transformer.device
 
     @property
+    def weight_modules(self) -> dict[str, nn.Module]:
+        return {"transformer": self.transformer, "prompt_encoder": self.prompt_encoder}
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.transformer.dtype
 
@@ -217,7 +221,6 @@ class DigitFlowPipeline:
         prompt_embeds, pooled = self.prompt_encoder(torch.tensor(class_ids, device=self.device))
         return {"encoder_hidden_states": prompt_embeds, "pooled_projections": pooled}
 
-    @torch.no_grad()
     def predict_velocity(
         self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, options: SamplingOptions
     ) -> torch.Tensor:
