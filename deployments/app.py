@@ -15,6 +15,7 @@ from ray.serve import Application
 
 from deployments.config import RolloutAppConfig
 from deployments.ingress import RolloutIngress
+from deployments.weights import WeightCoordinator
 from deployments.worker import RolloutWorker
 
 
@@ -29,9 +30,13 @@ def _worker_gpus(config: RolloutAppConfig) -> float:
 def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Application:
     """The ingress bound to `num_worker_replicas` workers; `args` is validated as `RolloutAppConfig`."""
     config = args if isinstance(args, RolloutAppConfig) else RolloutAppConfig.model_validate(args or {})
+    coordinator = WeightCoordinator.bind(
+        config.weight_version, config.allowed_weight_paths, config.weight_update_timeout_s
+    )
     worker = RolloutWorker.options(
         num_replicas=config.num_worker_replicas,
         max_ongoing_requests=config.max_ongoing_requests_per_worker(),
         ray_actor_options={"num_cpus": config.worker_num_cpus, "num_gpus": _worker_gpus(config)},
-    ).bind(config)
-    return RolloutIngress.options(ray_actor_options={"num_cpus": config.ingress_num_cpus}).bind(worker, config)
+    ).bind(config, coordinator)
+    ingress = RolloutIngress.options(ray_actor_options={"num_cpus": config.ingress_num_cpus})
+    return ingress.bind(worker, coordinator, config)

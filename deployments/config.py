@@ -26,7 +26,14 @@ class RolloutAppConfig(BaseModel):
     served_model_name: str | None = Field(
         None, description="Name reported by `/v1/models` and `/server_info`; None: the model's name."
     )
-    weight_version: str = Field("0", description="Reported with every sample, for off-policy bookkeeping.")
+    weight_version: str = Field("0", description="Name of the weights served at start; every sample reports its version.")
+    allowed_weight_paths: list[str] = Field(
+        default_factory=list,
+        description="Directories that weight updates may read checkpoints from; empty: any local path, as SGLang.",
+    )
+    weight_update_timeout_s: float = Field(
+        600.0, gt=0, description="How long an update waits for every replica before it is undone everywhere."
+    )
     num_worker_replicas: int = Field(2, ge=1, description="Worker replicas, one pipeline each.")
     worker_num_cpus: float = Field(0.5, gt=0, description="CPUs each worker replica reserves.")
     worker_num_gpus: float | None = Field(

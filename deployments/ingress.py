@@ -16,15 +16,35 @@ from typing import Any
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments import discovery
 from deployments.config import RolloutAppConfig
 from deployments.worker import WorkerResult
-from rollout.api import RolloutPlan, RolloutRequest, parse_request, plan_rollout, response_rows, unknown_fields
-from rollout.codec import CodecError, parse_json, parse_msgpack, to_json, to_msgpack
+from deployments.weights import (
+    DiskSource,
+    MemoryReleasedError,
+    ObjectStoreTensors,
+    TensorSource,
+    UpdateResult,
+    WeightVersionError,
+)
+from rollout.api import (
+    RolloutPlan,
+    RolloutRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromTensorRequest,
+    WeightsChecksumRequest,
+    parse_request,
+    plan_rollout,
+    response_rows,
+    unknown_fields,
+)
+from rollout.codec import CodecError, decode_tree, parse_json, parse_msgpack, to_json, to_msgpack
 from rollout.errors import InvalidRequestError, RequestSchemaError, RolloutError
+from rollout.weights import WeightUpdateError
 from rollout.trajectory import RolloutBatch
 
 logger = logging.getLogger("ray.serve")
@@ -45,7 +65,6 @@ class RolloutResult:
     request_id: str
     seed: int
     num_outputs_per_prompt: int
-    weight_version: str
     parts: list[ray.ObjectRef]
 
     def worker_results(self, timeout_s: float | None = None) -> list[WorkerResult]:
@@ -61,6 +80,20 @@ class RolloutResult:
         return _joined_batch(await self.worker_results_async())
 
 
+async def _json_body(http_request: Request) -> Any:
+    body = await http_request.body()
+    return (parse_msgpack if MSGPACK in http_request.headers.get("content-type", "") else parse_json)(body)
+
+
+def _weights_refusal(error: Exception) -> JSONResponse:
+    if isinstance(error, ValidationError):
+        problem = error.errors(include_url=False)[0]
+        message = f"{'.'.join(map(str, problem['loc'])) or 'body'}: {problem['msg']}"
+    else:
+        message = str(error)
+    return JSONResponse(status_code=400, content={"success": False, "message": message})
+
+
 def _joined_batch(parts: list[WorkerResult]) -> RolloutBatch:
     return RolloutBatch.concat([part.batch for part in parts])
 
@@ -71,11 +104,32 @@ def _error_response(status: int, field: str, message: str, detail: Any) -> JSONR
     return JSONResponse(status_code=status, content=content)
 
 
-def _request_error_response(error: InvalidRequestError) -> JSONResponse:
-    """422 for a body that does not fit the schema, 400 for a value the server cannot serve: SGLang's statuses."""
+def _rollout_error_response(error: RolloutError) -> JSONResponse:
+    """422 for a body that does not fit the schema, 400 for a value the server cannot serve (SGLang's
+    statuses); 409 for a request that requires other weights; 503 while the memory is released."""
     if isinstance(error, RequestSchemaError):
         return _error_response(422, error.field, str(error), error.errors)
-    return _error_response(400, error.field, str(error), f"Invalid sampling params: {error}")
+    if isinstance(error, InvalidRequestError):
+        return _error_response(400, error.field, str(error), f"Invalid sampling params: {error}")
+    if isinstance(error, WeightVersionError):
+        return _error_response(409, error.field, str(error), str(error))
+    if isinstance(error, MemoryReleasedError):
+        return _error_response(503, "", str(error), "Server is sleeping. Call resume_memory_occupation first.")
+    return _error_response(500, "", str(error), f"Generation failed: {error}")
+
+
+def _raise_unless_applied(result: UpdateResult) -> UpdateResult:
+    if not result.success:
+        raise WeightUpdateError("update", result.message)
+    return result
+
+
+def _weights_answer(result: UpdateResult) -> JSONResponse:
+    """SGLang's answer to a weight update, with the version every replica now serves."""
+    content = {"success": result.success, "message": result.message, "weight_version": result.weight_version}
+    if result.failed_replicas:
+        content["failed_replicas"] = result.failed_replicas
+    return JSONResponse(status_code=200 if result.success else 400, content=content)
 
 
 def _as_rollout_error(error: BaseException) -> RolloutError | None:
@@ -90,8 +144,9 @@ def _as_rollout_error(error: BaseException) -> RolloutError | None:
 @serve.deployment
 @serve.ingress(app)
 class RolloutIngress:
-    def __init__(self, worker: DeploymentHandle, config: RolloutAppConfig):
+    def __init__(self, worker: DeploymentHandle, coordinator: DeploymentHandle, config: RolloutAppConfig):
         self.worker = worker
+        self.coordinator = coordinator
         self.config = config
         self._worker_info: dict | None = None
         self._started = int(time.time())
@@ -117,16 +172,57 @@ class RolloutIngress:
 
     async def _result(self, plan: RolloutPlan) -> RolloutResult:
         parts = await self._dispatch(plan)
-        return RolloutResult(plan.request_id, plan.seed, plan.num_outputs_per_prompt, self.config.weight_version, parts)
+        return RolloutResult(plan.request_id, plan.seed, plan.num_outputs_per_prompt, parts)
 
     async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
         """Handle API: validates and fans out; raises `InvalidRequestError` naming a bad field."""
         return await self._result(self._plan(request))
 
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        target_modules: list[str] | None = None,
+    ) -> UpdateResult:
+        """Handle API: serves a local checkpoint on every replica; raises `WeightUpdateError` naming the cause."""
+        return _raise_unless_applied(await self._update(DiskSource(model_path, target_modules), weight_version))
+
+    async def update_weights_from_tensor(
+        self,
+        tensors: ObjectStoreTensors,
+        weight_version: str | None = None,
+        target_modules: list[str] | None = None,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
+    ) -> UpdateResult:
+        """Handle API: serves tensors a trainer put in the object store once (full weights, or a
+        LoRA adapter with `lora_rank` and `lora_alpha`); raises `WeightUpdateError` naming the cause."""
+        if not isinstance(tensors, ObjectStoreTensors):
+            raise WeightUpdateError("tensors", "pass ObjectStoreTensors(ray.put(named_tensors))")
+        source = TensorSource(tensors, target_modules, lora_rank, lora_alpha)
+        return _raise_unless_applied(await self._update(source, weight_version))
+
+    async def get_weights_checksum(self, module_names: list[str] | None = None) -> dict[str, dict[str, str]]:
+        """Handle API: per replica, the SHA-256 of each module's weights (`rollout.weights.weights_checksum`)."""
+        reports = await self.coordinator.run_on_all.remote("checksum", module_names)
+        return {replica: report.result for replica, report in reports.items()}
+
+    async def _update(self, source, weight_version: str | None) -> UpdateResult:
+        result = await self.coordinator.update.remote(source, weight_version)
+        logger.info("weight update: %s", result.message)
+        return result
+
     async def info(self) -> dict:
         if self._worker_info is None:
             self._worker_info = await self.worker.info.remote()
-        return {**self._worker_info, "limits": self.config.limits.model_dump(), "max_batch_size": self.config.max_batch_size}
+        weights = await self.coordinator.state.remote()
+        return {
+            **self._worker_info,
+            "weight_version": weights["weight_version"],
+            "replica_weight_versions": weights["replicas"],
+            "limits": self.config.limits.model_dump(),
+            "max_batch_size": self.config.max_batch_size,
+        }
 
     @app.get("/health")
     @app.get("/liveness")  # SGLang's name
@@ -150,13 +246,67 @@ class RolloutIngress:
     async def models(self) -> dict:
         return discovery.model_list(await self.info(), self.config, self._started)
 
+    # SGLang's weight endpoints ---------------------------------------------------------------
+
+    @app.post("/update_weights_from_disk")
+    async def http_update_weights_from_disk(self, http_request: Request) -> Response:
+        try:
+            body = UpdateWeightsFromDiskRequest.model_validate(await _json_body(http_request))
+        except (CodecError, ValidationError) as error:
+            return _weights_refusal(error)
+        source = DiskSource(body.model_path, body.target_modules)
+        return _weights_answer(await self._update(source, body.weight_version))
+
+    @app.post("/update_weights_from_tensor")
+    async def http_update_weights_from_tensor(self, http_request: Request) -> Response:
+        try:
+            raw = await _json_body(http_request)
+            if isinstance(raw, dict) and "serialized_named_tensors" in raw:
+                raise CodecError(
+                    "serialized_named_tensors are pickles, which this server never unpickles; "
+                    "send named_tensors as tensor envelopes (rollout.codec)"
+                )
+            body = UpdateWeightsFromTensorRequest.model_validate(decode_tree(raw))
+        except (CodecError, ValidationError) as error:
+            return _weights_refusal(error)
+        source = TensorSource(body.named_tensors, body.target_modules, body.lora_rank, body.lora_alpha)
+        return _weights_answer(await self._update(source, body.weight_version))
+
+    @app.post("/get_weights_checksum")
+    async def http_get_weights_checksum(self, http_request: Request) -> Response:
+        try:
+            body = WeightsChecksumRequest.model_validate(await _json_body(http_request) or {})
+        except (CodecError, ValidationError) as error:
+            return _weights_refusal(error)
+        per_replica = await self.get_weights_checksum(body.module_names)
+        # SGLang's answer is {module: checksum}; replicas that disagree are reported as such.
+        agreed = {}
+        for name in sorted({name for checksums in per_replica.values() for name in checksums}):
+            values = {checksums.get(name) for checksums in per_replica.values()}
+            agreed[name] = values.pop() if len(values) == 1 else "inconsistent"
+        return JSONResponse({**agreed, "replicas": per_replica})
+
+    @app.post("/release_memory_occupation")
+    async def http_release_memory_occupation(self) -> Response:
+        return await self._memory_occupation("release")
+
+    @app.post("/resume_memory_occupation")
+    async def http_resume_memory_occupation(self) -> Response:
+        return await self._memory_occupation("resume")
+
+    async def _memory_occupation(self, kind: str) -> Response:
+        reports = await self.coordinator.run_on_all.remote(kind)
+        success = all(report.ok for report in reports.values())
+        messages = sorted({report.message for report in reports.values()})
+        return JSONResponse(
+            status_code=200 if success else 400, content={"success": success, "message": "; ".join(messages)}
+        )
+
     @app.post("/rollout/generate")
     async def http_generate(self, http_request: Request) -> Response:
         start = time.perf_counter()
-        body = await http_request.body()
         try:
-            data = (parse_msgpack if MSGPACK in http_request.headers.get("content-type", "") else parse_json)(body)
-            plan = self._plan(data)
+            plan = self._plan(await _json_body(http_request))
             result = await self._result(plan)
             parts = await result.worker_results_async()
             batch = _joined_batch(parts)
@@ -166,13 +316,13 @@ class RolloutIngress:
             return _error_response(422, "body", str(error), detail)
         except Exception as error:
             rollout_error = _as_rollout_error(error)
-            if isinstance(rollout_error, InvalidRequestError):
-                return _request_error_response(rollout_error)
+            if rollout_error is not None:
+                return _rollout_error_response(rollout_error)
             logger.exception("rollout request failed")
             message = f"{type(error).__name__}: {error}"
             return _error_response(500, "", message, f"Generation failed: {message}")
         peak_memory_mb = max((p.peak_memory_mb for p in parts if p.peak_memory_mb is not None), default=None)
-        rows = response_rows(plan, batch, self.config.weight_version, time.perf_counter() - start, peak_memory_mb)
+        rows = response_rows(plan, batch, time.perf_counter() - start, peak_memory_mb)
         if "application/json" in http_request.headers.get("accept", ""):
             return Response(to_json(rows), media_type="application/json")
         return Response(to_msgpack(rows), media_type=MSGPACK)

@@ -94,7 +94,6 @@ def _write(writer: RolloutDatasetWriter, number: int, response, prompts_per_requ
         {
             "request_id": result.request_id,
             "prompt_index": number * prompts_per_request + i // result.num_outputs_per_prompt,
-            "weight_version": result.weight_version,
         }
         for i in range(len(batch.samples))
     ]

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 import torch
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from deployments.config import RolloutAppConfig
+from deployments.weights import WeightFollower
 from rollout.api import SamplingWork
-from rollout.errors import InvalidRequestError
+from rollout.errors import InvalidRequestError, RolloutError
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model_path
 from rollout.sampler import resolve_options, sample
@@ -42,13 +44,13 @@ class WorkerResult:
     replica: str
 
 
-def _sample_measured(pipeline: RolloutPipeline, *args) -> tuple[RolloutBatch, float | None]:
-    """`sample(pipeline, *args)` and the peak accelerator memory it allocated, in MB (None on the CPU)."""
+def _sample_measured(pipeline: RolloutPipeline, *args, **kwargs) -> tuple[RolloutBatch, float | None]:
+    """`sample(pipeline, ...)` and the peak accelerator memory it allocated, in MB (None on the CPU)."""
     device = pipeline.device
     if device.type != "cuda":
-        return sample(pipeline, *args), None
+        return sample(pipeline, *args, **kwargs), None
     torch.cuda.reset_peak_memory_stats(device)
-    batch = sample(pipeline, *args)
+    batch = sample(pipeline, *args, **kwargs)
     return batch, torch.cuda.max_memory_allocated(device) / 2**20
 
 
@@ -59,7 +61,7 @@ def _count_samples(works: list[SamplingWork]) -> int:
 
 @serve.deployment
 class RolloutWorker:
-    def __init__(self, config: RolloutAppConfig):
+    async def __init__(self, config: RolloutAppConfig, coordinator: DeploymentHandle):
         threads = config.worker_torch_threads or torch.get_num_threads()
         # One long-lived sampling thread, off the event loop. torch's thread count is per calling
         # thread, and a fresh thread per batch would also rebuild the OpenMP pool every time:
@@ -72,6 +74,16 @@ class RolloutWorker:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._sample_batched.set_max_batch_size(config.max_batch_size)
         self._sample_batched.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+        self.weights = WeightFollower(
+            coordinator, self.replica, self.pipeline, config.weight_version, self._on_sampling_thread
+        )
+        await self.weights.start()
+
+    async def __del__(self):
+        await self.weights.stop()
+
+    async def _on_sampling_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._sampling_thread, fn, *args)
 
     def info(self) -> dict:
         scheduler = self.pipeline.scheduler
@@ -80,7 +92,6 @@ class RolloutWorker:
             "model_path": str(self.model_path),
             "pipeline_class": type(self.pipeline).__name__,
             "dtype": self.config.model.dtype,
-            "weight_version": self.config.weight_version,
             "scheduler": {"class_name": type(scheduler).__name__, "config": dict(scheduler.config)},
             "default_height": self.pipeline.default_height,
             "default_width": self.pipeline.default_width,
@@ -110,25 +121,45 @@ class RolloutWorker:
         for position, work in enumerate(works):
             groups[work.options].append(position)
         results: list[WorkerResult | Exception] = [None] * len(works)  # type: ignore[list-item]
-        for options, positions in groups.items():
-            group = [works[p] for p in positions]
-            prompts = [prompt for work in group for prompt in work.prompts]
-            negatives = [prompt for work in group for prompt in work.negative_prompts]
-            seeds = [seed for work in group for seed in work.seeds]
-            start = time.perf_counter()
+        for positions in groups.values():
+            group_results = await self._on_sampling_thread(self._sample_group, [works[p] for p in positions])
+            for p, result in zip(positions, group_results):
+                results[p] = result
+        return results
+
+    def _sample_group(self, works: list[SamplingWork]) -> list[WorkerResult | Exception]:
+        """On the sampling thread: the works this replica can serve now, in one sampler call.
+
+        Weight commands run on this thread too, so the version checked here is the one sampled.
+        """
+        results: list[WorkerResult | Exception] = [None] * len(works)  # type: ignore[list-item]
+        servable = []
+        for i, work in enumerate(works):
             try:
-                batch, peak_memory_mb = await asyncio.get_running_loop().run_in_executor(
-                    self._sampling_thread, _sample_measured, self.pipeline, prompts, seeds, options, negatives
-                )
-            except Exception as error:  # reported to each request of the group, the others go on
-                logger.exception("sampling failed for %d requests", len(group))
-                for p in positions:
-                    results[p] = error
-                continue
-            elapsed = time.perf_counter() - start
-            offset = 0
-            for p, work in zip(positions, group):
-                part = batch.subset(range(offset, offset + len(work)))
-                results[p] = WorkerResult(part, len(seeds), elapsed, peak_memory_mb, self.replica)
-                offset += len(work)
+                self.weights.check_can_sample(work.weight_version)
+                servable.append(i)
+            except RolloutError as error:
+                results[i] = error
+        if not servable:
+            return results
+        group = [works[i] for i in servable]
+        prompts = [prompt for work in group for prompt in work.prompts]
+        negatives = [prompt for work in group for prompt in work.negative_prompts]
+        seeds = [seed for work in group for seed in work.seeds]
+        start = time.perf_counter()
+        try:
+            batch, peak_memory_mb = _sample_measured(
+                self.pipeline, prompts, seeds, group[0].options, negatives, weight_version=self.weights.version
+            )
+        except Exception as error:  # reported to each request of the group, the others go on
+            logger.exception("sampling failed for %d requests", len(group))
+            for i in servable:
+                results[i] = error
+            return results
+        elapsed = time.perf_counter() - start
+        offset = 0
+        for i, work in zip(servable, group):
+            part = batch.subset(range(offset, offset + len(work)))
+            results[i] = WorkerResult(part, len(seeds), elapsed, peak_memory_mb, self.replica)
+            offset += len(work)
         return results

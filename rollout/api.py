@@ -80,6 +80,9 @@ class RolloutRequest(BaseModel):
         description="(extension) gaussian, gaussian_no_const or squared_error; "
         "default: squared_error with rollout_log_prob_no_const, else gaussian.",
     )
+    weight_version: str | None = Field(
+        None, description="(extension) The weights the request requires; a replica serving others refuses it."
+    )
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
@@ -207,6 +210,7 @@ class SamplingWork:
     negative_prompts: tuple[str, ...]
     seeds: tuple[int, ...]
     options: SamplingOptions
+    weight_version: str | None = None  # the weights the request requires; None: whichever are served
 
     def __len__(self) -> int:
         return len(self.seeds)
@@ -241,6 +245,7 @@ class RolloutPlan:
                 tuple(negatives[start : start + chunk_size]),
                 tuple(seeds[start : start + chunk_size]),
                 self.options,
+                self.request.weight_version,
             )
             for start in range(0, self.num_samples, chunk_size)
         ]
@@ -333,7 +338,6 @@ def _check_image_model_fields(request: RolloutRequest) -> None:
 def response_rows(
     plan: RolloutPlan,
     batch: RolloutBatch,
-    weight_version: str,
     inference_time_s: float,
     peak_memory_mb: float | None = None,
 ) -> list[dict[str, Any]]:
@@ -367,7 +371,7 @@ def response_rows(
             "peak_memory_mb": None if request.suppress_logs else peak_memory_mb,
             "prompt_index": i // plan.num_outputs_per_prompt,
             "sample_seed": sample.seed,
-            "weight_version": weight_version,
+            "weight_version": sample.weight_version,
         }
         for i, sample in enumerate(batch.samples)
     ]
@@ -382,3 +386,38 @@ def _debug_tensors(sample: SampleTrajectory) -> dict[str, torch.Tensor] | None:
         "rollout_noise_std_devs": sample.debug.noise_std_devs.unsqueeze(-1),  # [T, 1], as SGLang's
         "rollout_model_outputs": sample.debug.model_outputs,
     }
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """`POST /update_weights_from_disk`: SGLang's body, and the version to serve (extension)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(description="A pipeline checkpoint, a PEFT adapter directory, or a safetensors file.")
+    flush_cache: bool = Field(True, description="SGLang's; nothing here caches weight-derived values.")
+    target_modules: list[str] | None = Field(None, description="Modules to update; None: all (a whole checkpoint).")
+    weight_version: str | None = Field(None, description="(extension) Name of the new weights.")
+
+
+class UpdateWeightsFromTensorRequest(BaseModel):
+    """`POST /update_weights_from_tensor`: named tensors in this server's tensor envelope.
+
+    SGLang sends `serialized_named_tensors`, pickles, which a server must never unpickle; this
+    endpoint takes `named_tensors` instead, decoded with safetensors only.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    named_tensors: dict[str, torch.Tensor] = Field(description="Weight name -> tensor envelope.")
+    target_modules: list[str] | None = Field(None, description="The one module the tensors are for. Default: transformer.")
+    lora_rank: int | None = Field(None, description="With LoRA tensors: the adapter's rank.")
+    lora_alpha: float | None = Field(None, description="With LoRA tensors: the adapter's alpha.")
+    weight_version: str | None = Field(None, description="(extension) Name of the new weights.")
+
+
+class WeightsChecksumRequest(BaseModel):
+    """`POST /get_weights_checksum`: SGLang's body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    module_names: list[str] | None = Field(None, description="Modules to checksum; None: all.")

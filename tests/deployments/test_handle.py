@@ -18,8 +18,9 @@ from rollout.schedule import ScheduleSnapshot
 def test_typed_result_with_one_schedule(handle):
     request = RolloutRequest(prompt=["1", "2", "3"], num_outputs_per_prompt=3, num_inference_steps=8, seed=50)
     result = handle.generate.remote(request).result()
-    assert result.seed == 50 and result.weight_version == "test-v1"
+    assert result.seed == 50
     batch = result.batch()
+    assert {s.weight_version for s in batch.samples} == {"test-v1"}
     assert [s.seed for s in batch.samples] == list(range(50, 59))
     assert [s.prompt for s in batch.samples] == ["1"] * 3 + ["2"] * 3 + ["3"] * 3
     assert all(s.schedule is batch.schedule for s in batch.samples)

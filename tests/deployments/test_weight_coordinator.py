@@ -1,0 +1,143 @@
+"""The coordinator's protocol with scripted replicas: undo when one refuses, dead replicas, catch-up.
+
+Real replicas always agree on whether an update fits (they serve the same model), so a refusal
+by one replica only (a lost object, a device error) is scripted here.
+"""
+
+import asyncio
+
+import pytest
+import ray
+import torch
+
+from deployments.weights import Report, TensorSource, WeightCoordinator
+
+
+class Liveness:
+    """Stands in for a replica's actor handle: `__ray_ready__` answers, or the actor is dead."""
+
+    def __init__(self):
+        self.dead = False
+
+    @property
+    def __ray_ready__(self):
+        return self
+
+    async def _ready(self):
+        if self.dead:
+            raise ray.exceptions.RayActorError()
+        return True
+
+    def remote(self):
+        return self._ready()
+
+
+class ScriptedReplica:
+    """Follows the coordinator like `WeightFollower`, answering applies as scripted."""
+
+    def __init__(self, coordinator, name, refuse_applies=False):
+        self.coordinator, self.name, self.refuse_applies = coordinator, name, refuse_applies
+        self.liveness = Liveness()
+        self.ran: list[tuple[str, int | None]] = []
+        self.version = "v0"
+        self.stopped = False
+
+    async def start(self):
+        committed, last_seq = await self.coordinator.register(self.name, self.liveness, ["transformer"], self.version)
+        for command in committed:
+            self.version = command.version
+        self.task = asyncio.create_task(self.follow(last_seq))
+
+    async def stop(self):
+        # Not by cancelling: asyncio.wait_for in Python 3.11 can swallow a cancellation.
+        self.stopped = True
+        self.coordinator._notify("_posted")
+        await self.task
+
+    async def follow(self, last_seq):
+        while not self.stopped:
+            for command in await self.coordinator.next_commands(self.name, last_seq):
+                self.ran.append((command.kind, command.undoes))
+                if command.kind == "apply" and not self.refuse_applies:
+                    self.version = command.version
+                    report = Report(True, version=self.version)
+                elif command.kind == "apply":
+                    report = Report(False, "device lost", self.version)
+                else:
+                    report = Report(True, version=self.version)
+                await self.coordinator.report(self.name, command.seq, report)
+                last_seq = command.seq
+
+
+def coordinator():
+    return WeightCoordinator.func_or_class("v0", [], update_timeout_s=30)
+
+
+def tensors():
+    return TensorSource({"proj_out.weight": torch.zeros(2, 2)})
+
+
+async def started(coordinator, *replicas):
+    for replica in replicas:
+        await replica.start()
+    return replicas
+
+
+def test_an_update_one_replica_refuses_is_undone_on_the_others(ray_cluster):
+    async def scenario():
+        c = coordinator()
+        good, bad = await started(c, ScriptedReplica(c, "good"), ScriptedReplica(c, "bad", refuse_applies=True))
+        result = await c.update(tensors(), "v1")
+        await asyncio.sleep(0.1)
+        await good.stop(), await bad.stop()
+        return c, good, bad, result
+
+    c, good, bad, result = asyncio.run(scenario())
+    assert not result.success and result.weight_version == "v0"
+    assert result.failed_replicas == {"bad": "device lost"} and "bad: device lost" in result.message
+    apply_seq = 1
+    assert good.ran == [("apply", None), ("undo", apply_seq)]
+    assert c.version == "v0" and c.committed == []
+
+
+def test_a_dead_replica_is_not_waited_for_and_a_new_one_catches_up(ray_cluster):
+    async def scenario():
+        c = coordinator()
+        alive, doomed = await started(c, ScriptedReplica(c, "alive"), ScriptedReplica(c, "doomed"))
+        await doomed.stop()
+        doomed.liveness.dead = True
+        result = await c.update(tensors(), "v1")
+        newcomer = ScriptedReplica(c, "newcomer")
+        await newcomer.start()
+        await alive.stop(), await newcomer.stop()
+        return c, alive, newcomer, result
+
+    c, alive, newcomer, result = asyncio.run(scenario())
+    assert result.success and result.message == "weights 'v1' served by 1 replica(s)"
+    assert set(c.replicas) == {"alive", "newcomer"}
+    assert alive.version == newcomer.version == "v1"
+
+
+def test_an_update_with_no_replica_fails(ray_cluster):
+    result = asyncio.run(coordinator().update(tensors(), "v1"))
+    assert not result.success and "no worker replica" in result.message
+
+
+@pytest.mark.parametrize("later_lora", [True, False])
+def test_committed_updates_are_kept_only_until_superseded(ray_cluster, later_lora):
+    async def scenario():
+        c = coordinator()
+        (only,) = await started(c, ScriptedReplica(c, "only"))
+        await c.update(TensorSource({"a.weight": torch.zeros(1)}), "full")
+        await c.update(TensorSource({"x.lora_A.weight": torch.zeros(1)}, lora_rank=1, lora_alpha=1), "lora-1")
+        if later_lora:
+            await c.update(TensorSource({"x.lora_A.weight": torch.zeros(1)}, lora_rank=1, lora_alpha=1), "lora-2")
+        else:
+            await c.update(TensorSource({"a.weight": torch.zeros(1)}), "full-2")
+        await only.stop()
+        return c
+
+    c = asyncio.run(scenario())
+    kept = [entry.command.version for entry in c.committed]
+    # A LoRA push replaces the previous adapter; full weights replace full weights, not the adapter.
+    assert kept == (["full", "lora-2"] if later_lora else ["lora-1", "full-2"])

@@ -1,0 +1,275 @@
+"""Weight updates on a real local Ray cluster with 2 worker replicas: every replica, all or nothing."""
+
+import concurrent.futures
+import copy
+import shutil
+import time
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+import ray
+import torch
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+from ray import serve
+from ray.util.state import list_actors
+from safetensors.torch import save_file
+
+from deployments.app import build_app
+from deployments.weights import ObjectStoreTensors
+from rollout.codec import TensorEncoder, from_msgpack
+from rollout.models.digits import DEFAULT_WEIGHTS
+from rollout.models.registry import load_pipeline
+from rollout.replay import replay_log_probs, transition_log_probs
+from rollout.weights import WeightUpdateError, apply_update, tensor_update, weights_checksum
+
+APP_NAME = "rollout-weights"
+
+
+@pytest.fixture(scope="module")
+def app(serve_app, app_config, tmp_path_factory):
+    """A 2-replica application of its own (these tests change its weights); checkpoints may only
+    be read from `root`, which holds a copy of the packaged weights to reset to."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    shutil.copytree(DEFAULT_WEIGHTS, root / "base")
+    config = {
+        **app_config,
+        "app_name": APP_NAME,
+        "weight_version": "base",
+        "allowed_weight_paths": [str(root)],
+        "weight_update_timeout_s": 60,
+    }
+    handle = serve.run(build_app(config), name=APP_NAME, route_prefix="/weights-app")
+    yield SimpleNamespace(handle=handle, url=f"{serve_app[1]}/weights-app", root=root)
+    serve.delete(APP_NAME)
+
+
+@pytest.fixture
+def base(app):
+    """Every test starts from the packaged weights, served as version "base"."""
+    app.handle.update_weights_from_disk.remote(str(app.root / "base"), weight_version="base").result()
+    return load_pipeline()
+
+
+def with_update(pipeline, state_dict):
+    updated = copy.deepcopy(pipeline)
+    apply_update(updated.weight_modules, tensor_update(state_dict))
+    return updated
+
+
+def perturbed(pipeline, seed):
+    generator = torch.Generator().manual_seed(seed)
+    state_dict = pipeline.transformer.state_dict()
+    return {k: v + 1e-2 * torch.randn(v.shape, generator=generator) for k, v in state_dict.items()}
+
+
+def served(app):
+    """Per replica: (weight version, transformer checksum)."""
+    versions = app.handle.info.remote().result()["replica_weight_versions"]
+    checksums = app.handle.get_weights_checksum.remote(["transformer"]).result()
+    return {replica: (versions[replica], checksums[replica]["transformer"]) for replica in checksums}
+
+
+def rollout(app, body):
+    result = app.handle.generate.remote(body).result()
+    return result.worker_results(), result.batch()
+
+
+def assert_replays_exactly(pipeline, batch):
+    replayed = replay_log_probs(pipeline, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+
+
+def test_an_update_reaches_every_replica_and_every_sample_names_its_weights(app, base):
+    assert set(served(app).values()) == {("base", weights_checksum(base.transformer))}
+    updated = with_update(base, perturbed(base, seed=1))
+
+    result = app.handle.update_weights_from_tensor.remote(
+        ObjectStoreTensors(ray.put(perturbed(base, seed=1))), weight_version="v1"
+    ).result()
+
+    assert result.success and result.weight_version == "v1"
+    now = served(app)
+    assert len(now) == 2 and set(now.values()) == {("v1", weights_checksum(updated.transformer))}
+    parts, batch = rollout(app, {"prompt": ["3", "9"], "num_outputs_per_prompt": 4, "num_inference_steps": 4})
+    assert len({part.replica for part in parts}) == 2
+    assert {s.weight_version for s in batch.samples} == {"v1"}
+    assert_replays_exactly(updated, batch)
+
+
+def test_versions_change_exactly_at_the_update(app, base):
+    """Samples sampled while an update lands say which weights made them, and those weights replay them."""
+    pipelines = {"base": base, "v2": with_update(base, perturbed(base, seed=2))}
+    bodies = [{"prompt": str(i % 10), "num_inference_steps": 6, "seed": 500 + i} for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        during = [pool.submit(rollout, app, body) for body in bodies]
+        time.sleep(0.3)
+        app.handle.update_weights_from_tensor.remote(
+            ObjectStoreTensors(ray.put(perturbed(base, seed=2))), weight_version="v2"
+        ).result()
+        batches = [future.result()[1] for future in during]
+    for batch in batches:
+        (version,) = {s.weight_version for s in batch.samples}
+        assert_replays_exactly(pipelines[version], batch)
+    _, after = rollout(app, {"prompt": "4", "num_outputs_per_prompt": 4, "num_inference_steps": 3})
+    assert {s.weight_version for s in after.samples} == {"v2"}
+
+
+def partial_checkpoint(app):
+    path = app.root / "partial.safetensors"
+    save_file(load_pipeline().transformer.state_dict(), path)
+    path.write_bytes(path.read_bytes()[:5000])
+    return dict(model_path=str(path))
+
+
+BAD_UPDATES = {
+    "partial file": (lambda app, base: ("disk", partial_checkpoint(app)), "cannot read"),
+    "outside the allowed roots": (lambda app, base: ("disk", dict(model_path=str(DEFAULT_WEIGHTS))), "outside"),
+    "missing directory": (lambda app, base: ("disk", dict(model_path=str(app.root / "none"))), "does not exist"),
+    "wrong shape": (
+        lambda app, base: ("tensor", {**perturbed(base, 3), "proj_out.weight": torch.zeros(3, 3)}),
+        "shape",
+    ),
+    "missing weight": (lambda app, base: ("tensor", dict(list(perturbed(base, 3).items())[1:])), "missing"),
+    "integer dtype": (
+        lambda app, base: ("tensor", {k: v.to(torch.int64) for k, v in perturbed(base, 3).items()}),
+        "torch.int64",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_UPDATES))
+def test_a_bad_update_leaves_every_replica_on_the_old_weights(app, base, name):
+    make, cause = BAD_UPDATES[name]
+    before = served(app)
+    kind, payload = make(app, base)
+    with pytest.raises(WeightUpdateError, match=cause):
+        if kind == "disk":
+            app.handle.update_weights_from_disk.remote(**payload, weight_version="bad").result()
+        else:
+            tensors = ObjectStoreTensors(ray.put(payload))
+            app.handle.update_weights_from_tensor.remote(tensors, weight_version="bad").result()
+    assert served(app) == before
+    _, batch = rollout(app, {"prompt": "1", "num_outputs_per_prompt": 4, "num_inference_steps": 3})
+    assert {s.weight_version for s in batch.samples} == {"base"}
+
+
+def _process_io(pids):
+    totals = {"read_bytes": 0, "write_bytes": 0}
+    for pid in pids:
+        with open(f"/proc/{pid}/io") as io:
+            for line in io:
+                key, value = line.split(":")
+                if key in totals:
+                    totals[key] += int(value)
+    return totals
+
+
+def test_an_update_from_the_object_store_touches_no_disk(app, base):
+    pids = [a.pid for a in list_actors(filters=[("state", "=", "ALIVE")]) if APP_NAME in (a.class_name or "")]
+    assert len(pids) >= 4  # the coordinator, the ingress and 2 workers
+    state_dict = {k: v.double() for k, v in perturbed(base, seed=4).items()}  # 4.6 MB: any copy on disk would show
+    tensors = ObjectStoreTensors(ray.put(state_dict))
+    before = _process_io(pids)
+    app.handle.update_weights_from_tensor.remote(tensors, weight_version="in-memory").result()
+    after = _process_io(pids)
+    size = sum(t.numel() * t.element_size() for t in state_dict.values())
+    for key in before:  # a few log lines at most
+        assert after[key] - before[key] < size // 10, (key, after[key] - before[key], size)
+
+
+def test_lora_rollouts_replay_exactly_with_the_trainers_peft_model(app, base):
+    trainer = copy.deepcopy(base)
+    trainer.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    with torch.no_grad():
+        for name, parameter in trainer.transformer.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    adapter = get_peft_model_state_dict(trainer.transformer)
+    result = app.handle.update_weights_from_tensor.remote(
+        ObjectStoreTensors(ray.put(adapter)), weight_version="lora-1", lora_rank=4, lora_alpha=8
+    ).result()
+    assert result.success
+    assert {checksum for _, checksum in served(app).values()} == {weights_checksum(trainer.transformer)}
+
+    body = {"prompt": ["2", "7"], "num_outputs_per_prompt": 4, "num_inference_steps": 5, "rollout_debug_mode": False}
+    parts, batch = rollout(app, body)
+    assert len({part.replica for part in parts}) == 2 and {s.weight_version for s in batch.samples} == {"lora-1"}
+    rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
+    replayed = replay_log_probs(trainer, batch.schedule, batch.options, batch.samples)
+    assert (replayed.log_probs - rollout_log_probs).abs().max().item() == 0.0
+    trainer.transformer.train()
+    with_grad = transition_log_probs(trainer, batch.schedule, batch.options, batch.samples, list(range(5)))
+    assert with_grad.requires_grad and torch.equal(with_grad.detach(), rollout_log_probs)
+
+
+def test_a_request_can_require_a_version(app, base, http):
+    body = {"prompt": "6", "num_inference_steps": 2, "rollout_debug_mode": False}
+    assert http.post(f"{app.url}/rollout/generate", json={**body, "weight_version": "base"}).status_code == 200
+    response = http.post(f"{app.url}/rollout/generate", json={**body, "weight_version": "v9"})
+    assert response.status_code == 409
+    assert response.json()["error"]["field"] == "weight_version"
+    assert "'base'" in response.json()["error"]["message"] and "'v9'" in response.json()["error"]["message"]
+
+
+def test_sglangs_weight_endpoints(app, base, http):
+    updated = with_update(base, perturbed(base, seed=5))
+    updated.save_pretrained(app.root / "step-5", weights_dtype=torch.float32)
+    response = http.post(
+        f"{app.url}/update_weights_from_disk", json={"model_path": str(app.root / "step-5"), "weight_version": "disk-5"}
+    )
+    assert response.status_code == 200 and response.json()["success"] is True, response.text
+    checksum = http.post(f"{app.url}/get_weights_checksum", json={"module_names": ["transformer"]}).json()
+    assert checksum["transformer"] == weights_checksum(updated.transformer)
+    assert len(checksum["replicas"]) == 2
+    assert http.get(f"{app.url}/rollout/info").json()["weight_version"] == "disk-5"
+
+    # Named tensors in the tensor envelope, as msgpack.
+    envelope = TensorEncoder().encode({"named_tensors": perturbed(base, seed=6), "weight_version": "http-6"})
+    response = http.post(
+        f"{app.url}/update_weights_from_tensor",
+        data=msgpack.packb(envelope),
+        headers={"Content-Type": "application/msgpack"},
+    )
+    answer = {"success": True, "message": "weights 'http-6' served by 2 replica(s)", "weight_version": "http-6"}
+    assert response.json() == answer
+
+    refused = [
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["gASV..."]}, "never unpickles"),
+        ("/update_weights_from_disk", {"flush_cache": True}, "model_path"),
+        ("/update_weights_from_disk", {"model_path": str(app.root / "none")}, "does not exist"),
+    ]
+    for path, body, cause in refused:
+        response = http.post(f"{app.url}{path}", json=body)
+        assert response.status_code == 400 and response.json()["success"] is False, response.text
+        assert cause in response.json()["message"]
+    assert http.get(f"{app.url}/rollout/info").json()["weight_version"] == "http-6"
+
+
+def test_release_and_resume_memory_occupation(app, base, http):
+    body = {"prompt": "5", "num_inference_steps": 2, "rollout_debug_mode": False}
+    released = http.post(f"{app.url}/release_memory_occupation")
+    assert released.status_code == 200 and released.json()["success"] is True
+    assert http.post(f"{app.url}/release_memory_occupation").json()["message"] == "already released"
+    assert http.post(f"{app.url}/rollout/generate", json=body).status_code == 503
+    assert http.post(f"{app.url}/resume_memory_occupation").json()["success"] is True
+    response = http.post(f"{app.url}/rollout/generate", json=body)
+    assert response.status_code == 200 and from_msgpack(response.content)[0]["weight_version"] == "base"
+
+
+def test_a_replica_that_restarts_catches_up(app, base):
+    updated = with_update(base, perturbed(base, seed=7))
+    app.handle.update_weights_from_tensor.remote(
+        ObjectStoreTensors(ray.put(perturbed(base, seed=7))), weight_version="v7"
+    ).result()
+    workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if f"{APP_NAME}:RolloutWorker" in a.class_name]
+    ray.kill(ray.get_actor(workers[0].name, namespace="serve"))
+    deadline = time.monotonic() + 120
+    while True:
+        now = served(app)  # a dead replica is noticed and dropped
+        if len(now) == 2 and workers[0].name.split("#")[-1] not in now:
+            break
+        assert time.monotonic() < deadline, now
+        time.sleep(1)
+    assert set(now.values()) == {("v7", weights_checksum(updated.transformer))}
