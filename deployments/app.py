@@ -36,6 +36,7 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
     worker = RolloutWorker.options(
         num_replicas=config.num_worker_replicas,
         max_ongoing_requests=config.max_ongoing_requests_per_worker(),
+        max_replicas_per_node=config.worker_max_replicas_per_node,
         ray_actor_options={"num_cpus": config.worker_num_cpus, "num_gpus": _worker_gpus(config)},
     ).bind(config, coordinator)
     ingress = RolloutIngress.options(ray_actor_options={"num_cpus": config.ingress_num_cpus})

@@ -40,6 +40,9 @@ class RolloutAppConfig(BaseModel):
         None, ge=0, description="GPUs each worker replica reserves; None: 1 if the cluster has GPUs, else 0."
     )
     worker_torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per worker replica.")
+    worker_max_replicas_per_node: int | None = Field(
+        None, ge=1, description="Most worker replicas on one node (1 spreads them over the nodes); None: no limit."
+    )
     ingress_num_cpus: float = Field(0.25, gt=0, description="CPUs the ingress replica reserves.")
     max_batch_size: int = Field(32, ge=1, description="Most samples in one sampler call on a worker.")
     # Serve forms a worker's next batch while the current one runs, so this wait, not the run,

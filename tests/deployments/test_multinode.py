@@ -1,0 +1,39 @@
+"""Worker replicas on different nodes: updates reach them and results come back through the object store."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).parent / "scripts" / "multinode_check.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_updates_and_requests_span_two_nodes():
+    # Its own process: a multi-node cluster cannot share a driver with the session's cluster.
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), str(_free_port())],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    findings = [line for line in completed.stdout.splitlines() if line.startswith("{")]
+    assert completed.returncode == 0 and findings, completed.stdout[-3000:] + completed.stderr[-3000:]
+    found = json.loads(findings[-1])
+    assert found["nodes"] == 2
+    assert len(set(found["worker_nodes"])) == 2  # one worker replica per node
+    assert found["update_success"] and found["replicas_checked"] == 2 and found["replica_checksums_match"]
+    assert len(set(found["part_nodes"])) == 2  # the request's parts came from both nodes
+    assert found["sample_versions"] == ["multinode-1"]
+    assert found["one_schedule"] and found["num_samples"] == 8 and found["sigmas_shape"] == [4]
+    assert found["finite"]
