@@ -16,10 +16,9 @@ from collections import deque
 from pathlib import Path
 
 import ray
-from ray import serve
 from tqdm import tqdm
 
-from deployments.app import build_app
+from deployments.client import get_or_deploy_app
 from rollout.api import RolloutRequest
 from rollout.dataset import RolloutDatasetWriter
 
@@ -30,14 +29,6 @@ def read_prompts(path: Path) -> list[str]:
     if not prompts:
         raise SystemExit(f"{path}: no prompts")
     return prompts
-
-
-def get_or_deploy_app(app_name: str):
-    try:
-        return serve.get_app_handle(app_name)
-    except Exception:  # Serve raises a plain RayServeException when the app does not exist
-        print(f"no application {app_name!r} is running; deploying one with the default configuration")
-        return serve.run(build_app({"app_name": app_name}), name=app_name, route_prefix=f"/{app_name}")
 
 
 def main(argv: list[str] | None = None) -> None:

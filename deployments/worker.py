@@ -9,6 +9,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import ray
 import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -35,6 +36,7 @@ class WorkerResult:
         inference_time_s: wall time of that sampler call.
         peak_memory_mb: peak accelerator memory allocated during that call; None on the CPU.
         replica: the worker replica that sampled them.
+        node_id: the Ray node it runs on.
     """
 
     batch: RolloutBatch
@@ -42,6 +44,7 @@ class WorkerResult:
     inference_time_s: float
     peak_memory_mb: float | None
     replica: str
+    node_id: str
 
 
 def _sample_measured(pipeline: RolloutPipeline, *args, **kwargs) -> tuple[RolloutBatch, float | None]:
@@ -72,6 +75,7 @@ class RolloutWorker:
         self.pipeline = load_pipeline(config.model.name, self.model_path, dtype=dtype)
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
+        self.node_id = ray.get_runtime_context().get_node_id()
         self._sample_batched.set_max_batch_size(config.max_batch_size)
         self._sample_batched.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
         self.weights = WeightFollower(
@@ -160,6 +164,6 @@ class RolloutWorker:
         offset = 0
         for i, work in zip(servable, group):
             part = batch.subset(range(offset, offset + len(work)))
-            results[i] = WorkerResult(part, len(seeds), elapsed, peak_memory_mb, self.replica)
+            results[i] = WorkerResult(part, len(seeds), elapsed, peak_memory_mb, self.replica, self.node_id)
             offset += len(work)
         return results

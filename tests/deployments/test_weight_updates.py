@@ -273,3 +273,16 @@ def test_a_replica_that_restarts_catches_up(app, base):
         assert time.monotonic() < deadline, now
         time.sleep(1)
     assert set(now.values()) == {("v7", weights_checksum(updated.transformer))}
+
+
+def test_the_grpo_example_trains_on_policy(app, base):
+    """The example's loop in a short configuration: the ratio is exactly 1 at every first step
+    (the server serves the weights the trainer holds), and training steps ran."""
+    from examples.grpo_digits import GRPOConfig, train
+
+    config = GRPOConfig(iterations=2, prompts=2, group_size=4, steps=4, sde_window=2, minibatch=4)
+    history = train(app.handle, config, log=lambda line: None)
+    assert [m["first_step_max_abs_dlogp"] for m in history] == [0.0, 0.0]
+    assert all(m["optimizer_steps"] == 2 for m in history)
+    assert [m["rollout_weight_version"] for m in history] == ["grpo-0", "grpo-1"]
+    assert served(app).keys() and {version for version, _ in served(app).values()} == {"grpo-2"}

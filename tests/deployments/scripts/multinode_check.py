@@ -12,7 +12,6 @@ import ray
 import torch
 from ray import serve
 from ray.cluster_utils import Cluster
-from ray.util.state import list_actors
 
 from deployments.app import build_app
 from deployments.weights import ObjectStoreTensors
@@ -21,7 +20,7 @@ from rollout.weights import weights_checksum
 
 
 def main() -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": True})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, log_to_driver=False)
     try:
@@ -42,18 +41,16 @@ def main() -> None:
         result = result.result()
         parts = result.worker_results()
         batch = result.batch()
-        workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "RolloutWorker" in a.class_name]
-        node_of = {a.name.split("#")[-1]: a.node_id for a in workers}
         print(
             json.dumps(
                 {
                     "nodes": len(ray.nodes()),
-                    "worker_nodes": sorted(node_of.values()),
                     "update_success": update.success,
                     "replica_checksums_match": {c["transformer"] for c in checksums.values()}
                     == {weights_checksum(pipeline.transformer)},
                     "replicas_checked": len(checksums),
-                    "part_nodes": sorted(node_of[part.replica] for part in parts),
+                    "part_nodes": sorted(part.node_id for part in parts),
+                    "part_replicas": sorted(part.replica for part in parts),
                     "sample_versions": sorted({s.weight_version for s in batch.samples}),
                     "one_schedule": all(s.schedule is batch.schedule for s in batch.samples),
                     "num_samples": len(batch.samples),

@@ -1,0 +1,49 @@
+"""What a trainer or a job imports to use a running rollout application from Python.
+
+    handle = get_or_deploy_app("rollout")
+    push_weights(handle, adapter_tensors, "step-1", lora_rank=4, lora_alpha=4)
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments.app import build_app
+from deployments.weights import ObjectStoreTensors, UpdateResult
+
+
+def get_or_deploy_app(app_name: str, config: dict | None = None) -> DeploymentHandle:
+    """The running application `app_name`, or a new one with `config` if there is none."""
+    try:
+        return serve.get_app_handle(app_name)
+    except Exception:  # Serve raises a plain RayServeException when the app does not exist
+        print(f"no application {app_name!r} is running; deploying one")
+        app = build_app({**(config or {}), "app_name": app_name})
+        return serve.run(app, name=app_name, route_prefix=f"/{app_name}")
+
+
+def push_weights(
+    handle: DeploymentHandle,
+    named_tensors: dict[str, torch.Tensor],
+    weight_version: str,
+    *,
+    lora_rank: int | None = None,
+    lora_alpha: float | None = None,
+    target_modules: list[str] | None = None,
+) -> UpdateResult:
+    """Puts the tensors in the object store once and has every replica serve them.
+
+    Full weights of a module, or a PEFT LoRA adapter with `lora_rank` and `lora_alpha`. Returns
+    when every replica serves `weight_version`; raises `WeightUpdateError` naming the cause.
+    """
+    tensors = ObjectStoreTensors(ray.put({name: t.detach().cpu() for name, t in named_tensors.items()}))
+    return handle.update_weights_from_tensor.remote(
+        tensors,
+        weight_version=weight_version,
+        target_modules=target_modules,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+    ).result()
