@@ -3,6 +3,8 @@
 The trainer indexes the returned schedule by absolute step and scores the latents the rollout
 actually took with the same transition function that sampled them. With the rollout's weights
 the result equals the rollout's log-probs bit for bit, so the PPO ratio is exactly 1 on-policy.
+`replay_log_probs` checks that without gradients; `transition_log_probs` is the same computation
+with autograd on, for the policy-gradient loss.
 """
 
 from __future__ import annotations
