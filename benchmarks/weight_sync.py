@@ -41,7 +41,7 @@ Reading the table:
   from the object store (deserialising a copy), checks names, shapes and dtypes, keeps a copy of
   the weights it replaces (to undo the update if another replica refuses it) and writes the new
   ones; the two replicas do this at the same time, on this machine's 2 cores. Small updates
-  are dominated by the fixed cost of the round (about 50 ms: the command, both replicas'
+  are dominated by the fixed cost of the round (about 40 ms: the command, both replicas'
   reports, the commit).
 - One ray.get is one warm process fetching the same object, just before the update, so it is
   the object's first reader; the replicas read it after. Fetch times of large objects vary
