@@ -206,6 +206,8 @@ class WeightCoordinator:
                 command, full, lora = await self._apply_command(source, version)
             except WeightUpdateError as error:
                 return UpdateResult(False, str(error), self.version)
+            except Exception as error:  # an unreadable checkpoint directory, say: refused, not a crash
+                return UpdateResult(False, f"cannot read the update: {type(error).__name__}: {error}", self.version)
             reports = await self._broadcast(command)
             failed = {replica: report.message for replica, report in reports.items() if not report.ok}
             if failed:
