@@ -19,15 +19,25 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
 
 import ray
 import torch
 from ray import serve
 
 from rollout.errors import RolloutError
-from rollout.models.base import RolloutPipeline
-from rollout.weights import WeightUpdate, WeightUpdateError, apply_update, disk_update, tensor_update, weights_checksum
+from rollout.weights import (
+    DEFAULT_TARGET_MODULE,
+    WeightUpdate,
+    WeightUpdateError,
+    apply_update,
+    disk_update,
+    tensor_update,
+    weights_checksum,
+)
+
+if TYPE_CHECKING:  # the coordinator's process needs no model code
+    from rollout.models.base import RolloutPipeline
 
 logger = logging.getLogger("ray.serve")
 
@@ -242,7 +252,7 @@ class WeightCoordinator:
         tensors = source.tensors
         ref = tensors.ref if isinstance(tensors, ObjectStoreTensors) else ray.put(tensors)
         args = dict(target_modules=source.target_modules, lora_rank=source.lora_rank, lora_alpha=source.lora_alpha)
-        module = (source.target_modules or ["transformer"])[0]
+        module = (source.target_modules or [DEFAULT_TARGET_MODULE])[0]
         is_lora = source.lora_rank is not None
         full, lora = (frozenset(), frozenset([module])) if is_lora else (frozenset([module]), frozenset())
         return Command(seq, "apply", version, update=[ref], tensor_args=args), full, lora
