@@ -171,15 +171,22 @@ class WeightCoordinator:
         """A starting replica: returns the committed applies to catch up with, and the seq to poll after.
 
         Registration waits for an update in progress to finish, so a replica either takes part
-        in an update or starts from its result.
+        in an update or starts from its result. A replica registers again if this coordinator
+        does not know it (it restarted, or took the replica for dead); a restarted coordinator,
+        which has lost its history, takes the version the replicas serve.
         """
         async with self._one_at_a_time:
+            if not self.committed and not self.log:
+                self.version = version
             last_seq = self.log[-1].seq if self.log else 0
             self.replicas[replica] = _Replica(actor, version, module_names, last_seq)
             return [c.command for c in self.committed], last_seq
 
-    async def next_commands(self, replica: str, after_seq: int) -> list[Command]:
-        """Long poll: the commands after `after_seq`, or none after `POLL_TIMEOUT_S`."""
+    async def next_commands(self, replica: str, after_seq: int) -> list[Command] | None:
+        """Long poll: the commands after `after_seq`, or none after `POLL_TIMEOUT_S`; None for a
+        replica this coordinator does not know, which must register."""
+        if replica not in self.replicas:
+            return None
         if not (self.log and self.log[-1].seq > after_seq):
             try:
                 await asyncio.wait_for(self._posted.wait(), POLL_TIMEOUT_S)
@@ -332,6 +339,11 @@ class WeightFollower:
 
     async def start(self) -> None:
         """Registers, applies what was committed before this replica existed, then follows."""
+        last_seq = await self._register()
+        self._task = asyncio.create_task(self._follow(last_seq))
+
+    async def _register(self) -> int:
+        """Registers and catches up (applying a committed update again changes nothing); the seq to poll after."""
         actor = ray.get_runtime_context().current_actor
         modules = list(self.pipeline.weight_modules)
         committed, last_seq = await self.coordinator.register.remote(self.replica, actor, modules, self.version)
@@ -341,7 +353,7 @@ class WeightFollower:
                 raise RuntimeError(f"cannot catch up with the committed weights {command.version!r}: {report.message}")
             self._undo = None
         await self.coordinator.report.remote(self.replica, last_seq, Report(True, version=self.version))
-        self._task = asyncio.create_task(self._follow(last_seq))
+        return last_seq
 
     async def stop(self) -> None:
         self._stopped = True  # as well as cancelling: asyncio.wait_for can swallow a cancellation
@@ -356,6 +368,9 @@ class WeightFollower:
         while not self._stopped:
             try:
                 commands = await self.coordinator.next_commands.remote(self.replica, last_seq)
+                if commands is None:  # the coordinator does not know this replica (any more)
+                    last_seq = await self._register()
+                    continue
                 for command in commands:
                     report = await self._run(command)
                     await self.coordinator.report.remote(self.replica, command.seq, report)

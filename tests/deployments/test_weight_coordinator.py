@@ -56,7 +56,11 @@ class ScriptedReplica:
 
     async def follow(self, last_seq):
         while not self.stopped:
-            for command in await self.coordinator.next_commands(self.name, last_seq):
+            commands = await self.coordinator.next_commands(self.name, last_seq)
+            if commands is None:
+                _, last_seq = await self.coordinator.register(self.name, self.liveness, ["transformer"], self.version)
+                continue
+            for command in commands:
                 self.ran.append((command.kind, command.undoes))
                 if command.kind == "apply" and not self.refuse_applies:
                     self.version = command.version
@@ -141,3 +145,25 @@ def test_committed_updates_are_kept_only_until_superseded(ray_cluster, later_lor
     kept = [entry.command.version for entry in c.committed]
     # A LoRA push replaces the previous adapter; full weights replace full weights, not the adapter.
     assert kept == (["full", "lora-2"] if later_lora else ["lora-1", "full-2"])
+
+
+def test_replicas_register_again_with_a_restarted_coordinator(ray_cluster):
+    async def scenario():
+        first = coordinator()
+        (replica,) = await started(first, ScriptedReplica(first, "r"))
+        await first.update(tensors(), "v3")
+        restarted = coordinator()  # a new process: no replicas, no history, the initial version
+        replica.coordinator = restarted
+        first._notify("_posted")  # the poll in flight ends; the next one goes to the new coordinator
+        for _ in range(50):
+            if "r" in restarted.replicas:
+                break
+            await asyncio.sleep(0.05)
+        state = await restarted.state()
+        result = await restarted.update(tensors(), "v4")
+        await replica.stop()
+        return state, result, replica
+
+    state, result, replica = asyncio.run(scenario())
+    assert state == {"weight_version": "v3", "replicas": {"r": "v3"}}  # it took the version served
+    assert result.success and replica.version == "v4"

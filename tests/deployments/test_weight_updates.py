@@ -286,3 +286,26 @@ def test_the_grpo_example_trains_on_policy(app, base):
     assert all(m["optimizer_steps"] == 2 for m in history)
     assert [m["rollout_weight_version"] for m in history] == ["grpo-0", "grpo-1"]
     assert served(app).keys() and {version for version, _ in served(app).values()} == {"grpo-2"}
+
+
+def test_replicas_follow_a_restarted_coordinator(app, base):
+    """The coordinator's replica dies: Serve restarts it, the worker replicas register with the
+    new one, and updates reach all of them again."""
+    coordinator = next(
+        a for a in list_actors(filters=[("state", "=", "ALIVE")]) if f"{APP_NAME}:WeightCoordinator" in a.class_name
+    )
+    ray.kill(ray.get_actor(coordinator.name, namespace="serve"))
+    updated = with_update(base, perturbed(base, seed=8))
+    tensors = ObjectStoreTensors(ray.put(perturbed(base, seed=8)))
+    expected = {("after-restart", weights_checksum(updated.transformer))}
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            result = app.handle.update_weights_from_tensor.remote(tensors, weight_version="after-restart").result()
+            if result.success and set(served(app).values()) == expected:
+                break
+        except Exception:  # the coordinator is not back yet
+            pass
+        assert time.monotonic() < deadline, "the replicas did not follow the restarted coordinator"
+        time.sleep(1)
+    assert len(served(app)) == 2
