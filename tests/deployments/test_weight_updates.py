@@ -66,8 +66,10 @@ def perturbed(pipeline, seed):
 
 def served(app):
     """Per replica: (weight version, transformer checksum)."""
-    versions = app.handle.info.remote().result()["replica_weight_versions"]
+    # Checksums first: every replica answers them after catching up, so the versions read next
+    # are at least as new as the weights checksummed.
     checksums = app.handle.get_weights_checksum.remote(["transformer"]).result()
+    versions = app.handle.info.remote().result()["replica_weight_versions"]
     return {replica: (versions[replica], checksums[replica]["transformer"]) for replica in checksums}
 
 
