@@ -25,7 +25,8 @@ def main() -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         port = int(sys.argv[1])
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # One proxy: the simulated nodes share this machine's ports, so a proxy per node collides.
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         config = {"num_worker_replicas": 2, "worker_max_replicas_per_node": 1, "worker_torch_threads": 1}
         handle = serve.run(build_app(config), name="multinode", route_prefix="/")
 
