@@ -2,20 +2,51 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.api import RequestLimits, RequestValidation
+from rollout.models.base import MicroBatching
 from rollout.models.registry import EMBEDDED_MODEL
 
 
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(EMBEDDED_MODEL, description="Model family, as `rollout.models.registry` knows it.")
-    path: str | None = Field(None, description="Local directory to load from; None takes the packaged weights.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Model weights' dtype.")
+    name: str | None = Field(
+        None,
+        description="Model, as `rollout.models.registry` knows it: the embedded model, 'sd3', 'flux' or "
+        "'qwenimage'. None: read the family from `path`'s model_index.json (the embedded model without a path).",
+    )
+    path: str | None = Field(
+        None, description="Local diffusers directory to load from (on every worker node); None: the packaged weights."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Model weights' dtype; latents and log-probs are fp32 whatever it is."
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Samples per transformer call (the sampler pads to it); None: the model's default."
+    )
+    micro_batch_sizes: dict[str, int] = Field(
+        default_factory=dict, description="Samples per transformer call by image size, e.g. {'1024x1024': 2}."
+    )
+    max_sequence_length: int | None = Field(
+        None, ge=1, description="Text tokens every prompt is padded or truncated to; None: the family's default."
+    )
+
+    def label(self) -> str:
+        """The model's name for discovery endpoints: its name, else its directory's."""
+        if self.name is not None:
+            return self.name
+        return EMBEDDED_MODEL if self.path is None else Path(self.path).name
+
+    def micro_batching(self) -> MicroBatching | None:
+        if self.micro_batch_size is None and not self.micro_batch_sizes:
+            return None
+        default = self.micro_batch_size or max(self.micro_batch_sizes.values())
+        return MicroBatching.parse(default, self.micro_batch_sizes)
 
 
 class RolloutAppConfig(BaseModel):

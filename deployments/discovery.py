@@ -16,7 +16,7 @@ SERVER_VERSION = importlib.metadata.version("diffusion-rollout")
 
 
 def served_model_name(config: RolloutAppConfig) -> str:
-    return config.served_model_name or config.model.name
+    return config.served_model_name or config.model.label()
 
 
 def model_info(info: dict) -> dict:

@@ -19,7 +19,7 @@ from deployments.weights import WeightFollower
 from rollout.api import SamplingWork
 from rollout.errors import InvalidRequestError, RolloutError
 from rollout.models.base import RolloutPipeline
-from rollout.models.registry import load_pipeline, resolve_model_path
+from rollout.models.registry import load_pipeline, resolve_model
 from rollout.sampler import resolve_options, sample
 from rollout.trajectory import RolloutBatch
 
@@ -71,8 +71,15 @@ class RolloutWorker:
         # measured here, that ran the sampler at half the speed of the main thread.
         self._sampling_thread = ThreadPoolExecutor(1, "sampler", initializer=torch.set_num_threads, initargs=(threads,))
         dtype = getattr(torch, config.model.dtype)
-        self.model_path = resolve_model_path(config.model.name, config.model.path)
-        self.pipeline = load_pipeline(config.model.name, self.model_path, dtype=dtype)
+        model = config.model
+        name, self.model_path = resolve_model(model.name, model.path)
+        self.pipeline = load_pipeline(
+            name,
+            self.model_path,
+            dtype=dtype,
+            micro_batching=model.micro_batching(),
+            max_sequence_length=model.max_sequence_length,
+        )
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()

@@ -354,6 +354,7 @@ def response_rows(
         "timesteps": batch.schedule.latent_timesteps(kept_steps),  # one per returned latent, SGLang's runtime
         "sigmas": batch.schedule.sigmas,  # [T + 1], never filtered
         "scheduler_timesteps": batch.schedule.timesteps,  # [T], the scheduler's own
+        "model_timesteps": batch.schedule.model_timesteps,  # [T], the transformer's time input
         "latent_step_indices": kept_steps,
     }
     return_trajectory = request.rollout and request.rollout_return_dit_trajectory

@@ -36,6 +36,10 @@ class WeightUpdateError(FieldError):
     nothing was changed."""
 
 
+class ModelLoadError(FieldError):
+    """A model cannot be loaded as configured (``model.path``, ``model.name``, ...): raised at start-up."""
+
+
 class RequestSchemaError(InvalidRequestError):
     """The request does not fit the request schema: a wrong type, a missing or an unknown field.
 

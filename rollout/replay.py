@@ -17,7 +17,7 @@ import torch
 from rollout.errors import InvalidRequestError
 from rollout.models.base import Conditioning, RolloutPipeline
 from rollout.options import SamplingOptions
-from rollout.sampler import pad_conditioning, predict_velocity
+from rollout.sampler import micro_batch_size, pad_conditioning, predict_velocity
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import SampleTrajectory
 from rollout.transitions import take_step
@@ -91,13 +91,14 @@ def transition_log_probs(
     device = pipeline.device
     latents = torch.stack([s.latents for s in samples]).to(device)  # (N, K, ...)
     sigmas = schedule.sigmas.to(device)
-    padded_conditioning = pad_conditioning(_conditioning_of(pipeline, options, samples), pipeline.micro_batch_size)
+    conditioning = _conditioning_of(pipeline, options, samples)
+    padded_conditioning = pad_conditioning(conditioning, micro_batch_size(pipeline, options))
 
     log_probs = []
     for step in steps:
         x_t = latents[:, position[step]]
         x_next = latents[:, position[step + 1]]
-        v = predict_velocity(pipeline, x_t, schedule.timesteps[step], padded_conditioning, options)
+        v = predict_velocity(pipeline, x_t, schedule.model_timesteps[step], padded_conditioning, options)
         transition = take_step(
             options.transition_at(step),
             x_t,

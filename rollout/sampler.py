@@ -4,8 +4,12 @@ Two properties hold by construction and are tested:
 - Determinism: sample i draws everything from its own CPU generator seeded `seeds[i]`
   (its initial noise first, then one draw per stochastic step).
 - Batch invariance: a sample's trajectory is bit-identical whether it is generated alone or in
-  any batch, because the model always runs on micro-batches of exactly
-  `pipeline.micro_batch_size` rows (padded), so every row sees the same kernels.
+  any batch, because the model always runs on micro-batches of exactly the pipeline's
+  micro-batch size for the image size (padded), so every row sees the same kernels.
+
+Memory: the conditioning stays on the CPU and goes to the device one micro-batch at a time,
+and every latent and debug tensor kept leaves the device as it is produced, so device memory
+grows with the micro-batch, not with the steps kept or the samples in the request.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ def resolve_options(pipeline: RolloutPipeline, options: SamplingOptions) -> Samp
     )
 
 
+def micro_batch_size(pipeline: RolloutPipeline, options: SamplingOptions) -> int:
+    """Samples per transformer call for a request with `options` (model defaults filled in)."""
+    return pipeline.micro_batching.size_for(options.height, options.width)
+
+
 def pad_conditioning(conditioning: Conditioning, micro_batch_size: int) -> Conditioning:
     """Pads to a multiple of `micro_batch_size` rows by repeating the last row."""
     missing = -len(conditioning) % micro_batch_size
@@ -52,23 +61,27 @@ def predict_velocity(
     """The pipeline's velocity for `(B, ...)` latents, computed on fixed-size micro-batches.
 
     Args:
-        timestep: `()` the step's timestep, the same for every row.
-        padded_conditioning: the batch's conditioning after `pad_conditioning`.
+        timestep: `()` the transformer's time input at this step (`model_timesteps[step]`),
+            the same for every row.
+        padded_conditioning: the batch's conditioning after `pad_conditioning`, on any device.
         options: the request's options, with the model's defaults filled in.
     """
-    micro_batch_size = pipeline.micro_batch_size
+    rows = micro_batch_size(pipeline, options)
     batch_size = x_t.shape[0]
     padded_size = len(padded_conditioning)
+    if padded_size % rows:
+        raise ValueError(f"conditioning of {padded_size} rows is not padded to micro-batches of {rows}")
+    device = pipeline.device
     x_padded = torch.cat([x_t, x_t.new_zeros((padded_size - batch_size, *x_t.shape[1:]))])
-    timesteps = timestep.to(pipeline.device).expand(micro_batch_size)
+    timesteps = timestep.to(device).expand(rows)
     velocities = [
         pipeline.predict_velocity(
-            x_padded[start : start + micro_batch_size],
+            x_padded[start : start + rows],
             timesteps,
-            padded_conditioning.rows(slice(start, start + micro_batch_size)),
+            padded_conditioning.rows(slice(start, start + rows)).map(lambda t: t.to(device)),
             options,
         )
-        for start in range(0, padded_size, micro_batch_size)
+        for start in range(0, padded_size, rows)
     ]
     return torch.cat(velocities)[:batch_size]
 
@@ -85,7 +98,6 @@ def sample(
     seeds: Sequence[int],
     options: SamplingOptions,
     negative_prompts: Sequence[str] | None = None,
-    mu: float | None = None,
     weight_version: str | None = None,
 ) -> RolloutBatch:
     """Generates one sample per prompt and records its trajectory.
@@ -94,7 +106,6 @@ def sample(
         prompts: one prompt per sample (repeat a prompt to get several samples of it).
         seeds: one seed per sample.
         negative_prompts: one per sample; defaults to the empty prompt.
-        mu: the schedule's resolution-dependent shift, for schedulers that use dynamic shifting.
         weight_version: the name of the pipeline's current weights, recorded in every sample.
 
     Returns:
@@ -110,19 +121,18 @@ def sample(
     latent_shape = pipeline.latent_shape(options.height, options.width)
     device = pipeline.device
 
-    conditioning = pipeline.encode_prompts(prompts, negative_prompts, options)
-    padded_conditioning = pad_conditioning(conditioning, pipeline.micro_batch_size)
-    schedule = ScheduleSnapshot.from_scheduler(pipeline.scheduler, options.num_inference_steps, mu=mu)
+    conditioning = pipeline.encode_prompts(prompts, negative_prompts, options).map(lambda t: t.cpu())
+    padded_conditioning = pad_conditioning(conditioning, micro_batch_size(pipeline, options))
+    schedule = pipeline.schedule(options.num_inference_steps, options.height, options.width)
     sigmas = schedule.sigmas.to(device)
     generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in seeds]
 
-    num_steps = schedule.num_steps
     kept_steps = set(options.kept_latent_steps())
     x_t = _draw_noise(generators, latent_shape, device)
-    kept_latents = [x_t] if 0 in kept_steps else []
+    kept_latents = [x_t.cpu()] if 0 in kept_steps else []
     log_probs, velocities, means, noise_stds, noises = [], [], [], [], []
-    for step in range(num_steps):
-        v = predict_velocity(pipeline, x_t, schedule.timesteps[step], padded_conditioning, options)
+    for step in range(schedule.num_steps):
+        v = predict_velocity(pipeline, x_t, schedule.model_timesteps[step], padded_conditioning, options)
         kind = options.transition_at(step)
         noise = _draw_noise(generators, latent_shape, device) if kind.draws_noise else None
         transition = take_step(
@@ -138,23 +148,23 @@ def sample(
         )
         x_t = transition.x_next
         if step + 1 in kept_steps:
-            kept_latents.append(x_t)
-        log_probs.append(transition.log_prob)
+            kept_latents.append(x_t.cpu())
+        log_probs.append(transition.log_prob.cpu())
         if options.debug:
-            velocities.append(v)
-            means.append(transition.mean)
-            noise_stds.append(transition.noise_std)
-            noises.append(torch.zeros_like(x_t) if noise is None else noise)
+            velocities.append(v.cpu())
+            means.append(transition.mean.cpu())
+            noise_stds.append(transition.noise_std.cpu())
+            noises.append(torch.zeros(x_t.shape) if noise is None else noise.cpu())
 
-    images = pipeline.decode(x_t)
-    log_probs = torch.stack(log_probs, dim=1).cpu()  # (B, T)
+    images = pipeline.decode(x_t).cpu()
+    final_latents = x_t.cpu()
+    log_probs = torch.stack(log_probs, dim=1)  # (B, T)
     # (B, K, ...); K is 0 when a request keeps no latent at all
-    latents = torch.stack(kept_latents, dim=1) if kept_latents else x_t.new_zeros((len(prompts), 0, *latent_shape))
-    latents = latents.cpu()
+    latents = torch.stack(kept_latents, dim=1) if kept_latents else torch.zeros((len(prompts), 0, *latent_shape))
     latent_step_indices = torch.tensor(sorted(kept_steps), dtype=torch.int64)
     if options.debug:
-        velocities, means, noises = (torch.stack(t, dim=1).cpu() for t in (velocities, means, noises))
-        noise_stds = torch.stack(noise_stds).cpu()  # (T,), shared by the batch's rows
+        velocities, means, noises = (torch.stack(t, dim=1) for t in (velocities, means, noises))
+        noise_stds = torch.stack(noise_stds)  # (T,), shared by the batch's rows
 
     # Every per-sample tensor is cloned out of the batch: a view would drag the whole batch's
     # storage along wherever the sample is serialized.
@@ -164,8 +174,8 @@ def sample(
             prompt=prompts[i],
             negative_prompt=negative_prompts[i],
             seed=seeds[i],
-            image=images[i].cpu().clone(),
-            final_latents=x_t[i].cpu().clone(),
+            image=images[i].clone(),
+            final_latents=final_latents[i].clone(),
             log_probs=log_probs[i].clone(),
             latents=latents[i].clone(),
             latent_step_indices=latent_step_indices.clone(),

@@ -9,16 +9,14 @@ filtered by step filters; consumers index it by absolute step.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
+import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.errors import InvalidRequestError
-
-# `set_timesteps` mutates the scheduler; replicas may sample from several threads.
-_SET_TIMESTEPS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,19 +26,32 @@ class ScheduleSnapshot:
     Attributes:
         sigmas: `(T + 1,)` fp32, the scheduler's `sigmas` after shifting, ending in 0.
             Step `i` moves from `sigmas[i]` to `sigmas[i + 1]`.
-        timesteps: `(T,)`, the scheduler's `timesteps`, the model's time input at each step.
+        timesteps: `(T,)`, the scheduler's `timesteps` (sigmas * 1000).
+        model_timesteps: `(T,)` fp32, the time input the transformer was given at each step,
+            computed from `timesteps` the way the model family does (SD3 takes `timesteps`
+            as they are; FLUX.1 and Qwen-Image round them to the model dtype and divide by
+            1000). Replay feeds these, so the transformer sees what it saw in the rollout.
+            Defaults to `timesteps`.
     """
 
     sigmas: torch.Tensor
     timesteps: torch.Tensor
+    model_timesteps: torch.Tensor = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self):
+        if self.model_timesteps is None:
+            object.__setattr__(self, "model_timesteps", self.timesteps.float())
         if self.sigmas.dtype != torch.float32:
             raise ValueError(f"sigmas must be float32, got {self.sigmas.dtype}")
         if self.sigmas.ndim != 1 or self.timesteps.ndim != 1 or self.sigmas.shape[0] != self.timesteps.shape[0] + 1:
             raise ValueError(
                 f"expected sigmas of shape (T + 1,) and timesteps of shape (T,), "
                 f"got {tuple(self.sigmas.shape)} and {tuple(self.timesteps.shape)}"
+            )
+        if self.model_timesteps.shape != self.timesteps.shape or self.model_timesteps.dtype != torch.float32:
+            raise ValueError(
+                f"model_timesteps must be float32 of the shape of timesteps {tuple(self.timesteps.shape)}, "
+                f"got {self.model_timesteps.dtype} {tuple(self.model_timesteps.shape)}"
             )
 
     @property
@@ -49,20 +60,38 @@ class ScheduleSnapshot:
 
     @classmethod
     def from_scheduler(
-        cls, scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, mu: float | None = None
+        cls,
+        scheduler: FlowMatchEulerDiscreteScheduler,
+        num_steps: int,
+        *,
+        sigmas: np.ndarray | None = None,
+        mu: float | None = None,
+        model_timesteps: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> "ScheduleSnapshot":
-        """Runs `scheduler.set_timesteps(num_steps)` and keeps private copies of its tensors.
+        """Runs `set_timesteps` on a private copy of `scheduler` and keeps its tensors.
+
+        The copy gives every request its own scheduler state: `set_timesteps` mutates it, and
+        concurrent requests of different sizes (different `mu`) must not see each other's.
 
         Args:
-            mu: resolution-dependent shift, for schedulers configured with `use_dynamic_shifting`.
+            sigmas, mu: passed to `set_timesteps`, as the model family's diffusers pipeline
+                passes them (`mu` is the resolution-dependent shift of dynamic shifting).
+            model_timesteps: maps the scheduler's `timesteps` to the transformer's time input;
+                None: the transformer takes `timesteps` as they are.
         """
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1, got {num_steps!r}")
-        with _SET_TIMESTEPS_LOCK:
-            scheduler.set_timesteps(num_steps, device="cpu", mu=mu)
-            sigmas = scheduler.sigmas.detach().clone()
-            timesteps = scheduler.timesteps.detach().clone()
-        return cls(sigmas=sigmas, timesteps=timesteps)
+        own_scheduler = type(scheduler).from_config(scheduler.config)
+        if sigmas is None:
+            own_scheduler.set_timesteps(num_steps, device="cpu", mu=mu)
+        else:
+            own_scheduler.set_timesteps(device="cpu", sigmas=sigmas, mu=mu)
+        timesteps = own_scheduler.timesteps.detach().clone()
+        return cls(
+            sigmas=own_scheduler.sigmas.detach().clone(),
+            timesteps=timesteps,
+            model_timesteps=None if model_timesteps is None else model_timesteps(timesteps).float(),
+        )
 
     def latent_timesteps(self, latent_step_indices: torch.Tensor) -> torch.Tensor:
         """The time label of each kept latent `x_k`, shape `(K,)`: `timesteps[k]`, and 0 for the final `x_T`.
@@ -80,4 +109,5 @@ class ScheduleSnapshot:
             and self.timesteps.dtype == other.timesteps.dtype
             and torch.equal(self.sigmas, other.sigmas)
             and torch.equal(self.timesteps, other.timesteps)
+            and torch.equal(self.model_timesteps, other.model_timesteps)
         )

@@ -1,8 +1,12 @@
-import pytest
-import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+import os
 
-from rollout.models.digits import DigitFlowPipeline, DigitPromptEncoder, tiny_transformer
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub, even by mistake; set before imports read it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
+
+from rollout.models.digits import DigitFlowPipeline, DigitPromptEncoder, tiny_transformer  # noqa: E402
 
 SCHEDULER_CONFIG = {"shift": 3.0}
 
@@ -22,3 +26,13 @@ def random_pipeline() -> DigitFlowPipeline:
 @pytest.fixture(scope="session")
 def embedded_pipeline() -> DigitFlowPipeline:
     return DigitFlowPipeline.from_pretrained()
+
+
+@pytest.fixture(scope="session")
+def tiny_family_dirs(tmp_path_factory) -> dict:
+    """Family name -> a tiny random-weight copy of SD3, FLUX.1-dev or Qwen-Image, saved as a
+    diffusers directory (`tests/tiny_families.py`)."""
+    from tiny_families import FAMILY_BUILDERS  # imports transformers: only for the tests that need it
+
+    root = tmp_path_factory.mktemp("families")
+    return {name: build(root / name) for name, build in FAMILY_BUILDERS.items()}

@@ -32,7 +32,7 @@ def test_loads_without_network(monkeypatch):
 
 def test_implements_the_pipeline_protocol(embedded_pipeline):
     assert isinstance(embedded_pipeline, RolloutPipeline)
-    assert embedded_pipeline.micro_batch_size >= 1
+    assert embedded_pipeline.micro_batching.default >= 1
 
 
 def test_classifier_held_out_accuracy():

@@ -8,13 +8,15 @@ for its schedule (`set_timesteps`); the transitions themselves live in `rollout.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from rollout.errors import InvalidRequestError
 from rollout.options import SamplingOptions
+from rollout.schedule import ScheduleSnapshot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,9 +81,6 @@ class Conditioning:
         return cls(**{part.name: stacked(part.name) for part in dataclasses.fields(cls)})
 
 
-
-
-
 def _map_tensors(parts: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
     def over(value):
         if value is None:
@@ -93,6 +92,42 @@ def _map_tensors(parts: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tenso
     return {name: over(value) for name, value in parts.items()}
 
 
+@dataclass(frozen=True)
+class MicroBatching:
+    """How many samples the transformer takes per call, per image size.
+
+    The sampler pads every call to exactly this many rows, so a sample's bits never depend on
+    what it was batched with. Larger images need smaller micro-batches to fit in memory, hence
+    the sizes per resolution.
+
+    Attributes:
+        default: samples per call for any size not in `by_size`.
+        by_size: `(height, width)` -> samples per call.
+    """
+
+    default: int
+    by_size: Mapping[tuple[int, int], int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for size, rows in {"default": self.default, **{f"{h}x{w}": n for (h, w), n in self.by_size.items()}}.items():
+            if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+                raise InvalidRequestError("micro_batch_size", f"{size}: must be an integer >= 1, got {rows!r}")
+
+    @classmethod
+    def parse(cls, default: int, by_size: Mapping[str, int] | None = None) -> "MicroBatching":
+        """From configuration: `by_size` keyed by ``"<height>x<width>"``, e.g. ``{"1024x1024": 2}``."""
+        sizes = {}
+        for key, rows in (by_size or {}).items():
+            height, _, width = key.partition("x")
+            if not (height.isdigit() and width.isdigit()):
+                raise InvalidRequestError("micro_batch_sizes", f"keys look like '512x512', got {key!r}")
+            sizes[(int(height), int(width))] = rows
+        return cls(default, sizes)
+
+    def size_for(self, height: int, width: int) -> int:
+        return self.by_size.get((height, width), self.default)
+
+
 @runtime_checkable
 class RolloutPipeline(Protocol):
     """What the sampler needs from a model. Shapes use B for the batch size."""
@@ -102,9 +137,7 @@ class RolloutPipeline(Protocol):
     default_guidance_scale: float
     default_height: int
     default_width: int
-    # The sampler always calls `predict_velocity` with exactly this many rows (padding the last
-    # call), so a sample's bits never depend on what it was batched with.
-    micro_batch_size: int
+    micro_batching: MicroBatching
 
     @property
     def device(self) -> torch.device: ...
@@ -120,6 +153,12 @@ class RolloutPipeline(Protocol):
 
         Raises `InvalidRequestError` naming ``height``/``width`` when the model cannot produce it.
         """
+        ...
+
+    def schedule(self, num_steps: int, height: int, width: int) -> ScheduleSnapshot:
+        """The schedule of a request of this size, from a private copy of the scheduler
+        (`ScheduleSnapshot.from_scheduler`, called as the family's diffusers pipeline calls
+        `set_timesteps`), with the family's transformer time input."""
         ...
 
     def check_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> None:
@@ -145,7 +184,8 @@ class RolloutPipeline(Protocol):
 
         Args:
             x_t: latents of shape `(B, *latent_shape)`, fp32.
-            timestep: the scheduler's timestep for every row, shape `(B,)`.
+            timestep: the transformer's time input for every row, shape `(B,)`: the
+                schedule's `model_timesteps` at this step.
             conditioning: `B` rows, as `encode_prompts` made them for the same `options`.
             options: the request's options with the model's defaults filled in; the model reads
                 its guidance from them (`guidance_scale`, `true_cfg_scale`).
@@ -156,5 +196,7 @@ class RolloutPipeline(Protocol):
         ...
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images of shape `(B, C, H, W)`, fp32 in [0, 1], from latents of shape `(B, *latent_shape)`."""
+        """Images of shape `(B, C, H, W)`, fp32 in [0, 1], from latents of shape `(B, *latent_shape)`.
+
+        Each image must not depend on the others in the batch."""
         ...

@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rollout.errors import InvalidRequestError, UnknownPromptError
-from rollout.models.base import Conditioning
+from rollout.models.base import Conditioning, MicroBatching
 from rollout.options import SamplingOptions
+from rollout.schedule import ScheduleSnapshot
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "digit-flow"
 IMAGE_SIZE = 16
@@ -118,7 +119,7 @@ class DigitFlowPipeline:
         self.prompt_encoder = prompt_encoder.eval().requires_grad_(False)
         self.scheduler = scheduler
         self.default_guidance_scale = default_guidance_scale
-        self.micro_batch_size = micro_batch_size
+        self.micro_batching = MicroBatching(micro_batch_size)
         self.default_height = IMAGE_SIZE
         self.default_width = IMAGE_SIZE
 
@@ -172,7 +173,7 @@ class DigitFlowPipeline:
         self.scheduler.save_pretrained(path / "scheduler")
         options = {
             "default_guidance_scale": self.default_guidance_scale,
-            "micro_batch_size": self.micro_batch_size,
+            "micro_batch_size": self.micro_batching.default,
             "prompt_encoder": {
                 "num_tokens": self.prompt_encoder.num_tokens,
                 "token_dim": self.prompt_encoder.token_dim,
@@ -188,6 +189,9 @@ class DigitFlowPipeline:
                     field, f"the embedded digits model only produces {IMAGE_SIZE}x{IMAGE_SIZE} images, got {value}"
                 )
         return (1, IMAGE_SIZE, IMAGE_SIZE)
+
+    def schedule(self, num_steps: int, height: int, width: int) -> ScheduleSnapshot:
+        return ScheduleSnapshot.from_scheduler(self.scheduler, num_steps)
 
     def _class_ids(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> tuple[list[int], list[int]]:
         if len(prompts) != len(negative_prompts):

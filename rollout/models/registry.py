@@ -1,37 +1,98 @@
-"""Loads a pipeline by model name, from the packaged weights or a local directory (never a hub)."""
+"""Loads a pipeline by model name from the packaged weights or a local directory (never a hub).
+
+Model names: the embedded digits model, and one per `DiffusersFamily` subclass in this package
+(`sd3`, `flux`, `qwenimage`). A family is found by importing this package's modules, so adding
+one is adding its file. The families' modules are imported only when a directory is loaded:
+they pull in transformers, which takes seconds.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from pathlib import Path
 
 import torch
 
-from rollout.errors import InvalidRequestError
-from rollout.models.base import RolloutPipeline
+from rollout.errors import ModelLoadError
+from rollout.models.base import MicroBatching, RolloutPipeline
 from rollout.models.digits import DEFAULT_WEIGHTS, DigitFlowPipeline
 
 EMBEDDED_MODEL = DigitFlowPipeline.name
-_LOADERS = {EMBEDDED_MODEL: (DigitFlowPipeline, DEFAULT_WEIGHTS)}
+
+
+def _families() -> dict[str, type]:
+    import rollout.models
+    from rollout.models.diffusers_family import DiffusersFamily
+
+    for module in pkgutil.iter_modules(rollout.models.__path__):
+        importlib.import_module(f"rollout.models.{module.name}")
+    families: dict[str, type] = {}
+    pending = list(DiffusersFamily.__subclasses__())
+    while pending:
+        family = pending.pop()
+        pending.extend(family.__subclasses__())
+        if "name" in vars(family):
+            families[family.name] = family
+    return families
 
 
 def available_models() -> list[str]:
-    return sorted(_LOADERS)
+    return sorted([EMBEDDED_MODEL, *_families()])
 
 
-def resolve_model_path(model: str, path: str | Path | None = None) -> Path:
-    """The directory `load_pipeline(model, path)` loads from: `path`, or the model's packaged weights."""
-    if model not in _LOADERS:
-        raise InvalidRequestError("model", f"unknown model {model!r}; available: {available_models()}")
-    return Path(path) if path is not None else _LOADERS[model][1]
+def resolve_model(name: str | None, path: str | Path | None = None) -> tuple[str, Path]:
+    """The model name and the directory that `load_pipeline(name, path)` loads.
+
+    With no name, a directory's family is read from its `model_index.json`; with neither, the
+    embedded model and its packaged weights.
+    """
+    if name is None and path is None:
+        return EMBEDDED_MODEL, DEFAULT_WEIGHTS
+    if name == EMBEDDED_MODEL:
+        return name, DEFAULT_WEIGHTS if path is None else Path(path)
+    if path is None:
+        raise ModelLoadError("model.path", f"model {name!r} loads from a local diffusers directory: set model.path")
+    families = _families()
+    if name is None:
+        from rollout.models.diffusers_family import read_model_index
+
+        class_name = read_model_index(path)["_class_name"]
+        by_class = {family.diffusers_pipeline: family.name for family in families.values()}
+        if class_name not in by_class:
+            raise ModelLoadError(
+                "model.path", f"{path} holds a {class_name}; this server serves {sorted(by_class)} (or set model.name)"
+            )
+        return by_class[class_name], Path(path)
+    if name not in families:
+        raise ModelLoadError("model.name", f"unknown model {name!r}; available: {available_models()}")
+    return name, Path(path)
 
 
 def load_pipeline(
-    model: str = EMBEDDED_MODEL,
+    name: str | None = None,
     path: str | Path | None = None,
     device: str | None = None,
     dtype: torch.dtype = torch.float32,
+    micro_batching: MicroBatching | None = None,
+    max_sequence_length: int | None = None,
 ) -> RolloutPipeline:
-    """Loads `model` from `path` (default: its packaged weights) onto `device` (default: CUDA if present)."""
-    model_path = resolve_model_path(model, path)
+    """Loads model `name` from `path` (see `resolve_model`) onto `device` (default: CUDA if present).
+
+    Args:
+        micro_batching: samples per transformer call; None keeps the model's own default.
+        max_sequence_length: the text length prompts are padded to; None keeps the family's.
+    """
+    name, model_path = resolve_model(name, path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return _LOADERS[model][0].from_pretrained(model_path, torch_dtype=dtype, device=device)
+    if name == EMBEDDED_MODEL:
+        if max_sequence_length is not None:
+            raise ModelLoadError("model.max_sequence_length", "the embedded model has no text encoder")
+        pipeline = DigitFlowPipeline.from_pretrained(model_path, torch_dtype=dtype, device=device)
+        if micro_batching is not None:
+            pipeline.micro_batching = micro_batching
+        return pipeline
+    family = _families()[name]
+    return family.from_pretrained(
+        model_path, torch_dtype=dtype, device=device, micro_batching=micro_batching, max_sequence_length=max_sequence_length
+    )

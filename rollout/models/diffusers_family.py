@@ -1,0 +1,302 @@
+"""What every model family served from a diffusers checkpoint directory has in common.
+
+A family (one file: `sd3.py`, `flux.py`, `qwenimage.py`) wraps the family's diffusers pipeline,
+loaded with `from_pretrained` from a local directory, and says only what differs: how a prompt
+is encoded, how the scheduler is set for a size, what time input the transformer takes, how
+guidance combines the transformer's outputs, and how latents are decoded. The sampler never
+calls the diffusers pipeline's own loop: `../shared/REAL_PIPELINES.md` (in the workspace) and
+`docs/real_models.md` record what that loop computes and where this one differs on purpose.
+
+Three rules hold for every family, so that a sample's bits never depend on its batch:
+- Each distinct prompt is encoded alone (text encoders and their padding differ by ULPs with
+  the batch size) and padded to a fixed length.
+- The transformer runs on micro-batches of a fixed size (`MicroBatching`); the sampler pads.
+- Each image is decoded alone.
+Latents between steps and all transition math stay fp32 whatever the weights' dtype; the
+transformer gets its inputs cast to the weights' dtype and its output is cast back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from rollout.errors import InvalidRequestError, ModelLoadError, UnknownPromptError
+from rollout.models.base import Conditioning, MicroBatching
+from rollout.options import SamplingOptions
+from rollout.schedule import ScheduleSnapshot
+
+
+def read_model_index(path: str | Path) -> dict[str, Any]:
+    """`model_index.json` of a diffusers pipeline directory, after checking the directory has
+    every component it lists; raises `ModelLoadError` naming the path and what is missing."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError("model.path", f"{path} is not a directory (models load from a local directory only)")
+    index_file = path / "model_index.json"
+    if not index_file.is_file():
+        raise ModelLoadError("model.path", f"{path} has no model_index.json: not a diffusers pipeline directory")
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError) as error:
+        raise ModelLoadError("model.path", f"{index_file} cannot be read as JSON: {error}") from None
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+        raise ModelLoadError("model.path", f"{index_file} has no '_class_name' naming the pipeline class")
+    # Components are listed as "name": [library, class]; null entries are optional parts left out.
+    components = [name for name, value in index.items() if not name.startswith("_") and isinstance(value, list)]
+    missing = [name for name in components if index[name][0] is not None and not (path / name).is_dir()]
+    if missing:
+        raise ModelLoadError("model.path", f"{path} lacks the component folder(s) {missing} that model_index.json lists")
+    return index
+
+
+class DiffusersFamily:
+    """A `RolloutPipeline` over one family's diffusers pipeline; subclasses fill in the family.
+
+    Attributes:
+        pipe: the diffusers pipeline, used for its components and its own helper methods
+            (`encode_prompt`, latent packing, the image processor), never for its loop.
+        max_sequence_length: the text length every prompt is padded (or truncated) to.
+    """
+
+    name: ClassVar[str]
+    diffusers_pipeline: ClassVar[str]  # the `_class_name` in model_index.json
+    default_guidance_scale: ClassVar[float]
+    default_max_sequence_length: ClassVar[int]
+    default_micro_batch_size: ClassVar[int] = 4
+
+    def __init__(
+        self, pipe: Any, micro_batching: MicroBatching | None = None, max_sequence_length: int | None = None
+    ):
+        self.pipe = pipe
+        self.scheduler = pipe.scheduler
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        for module in self.weight_modules.values():
+            module.eval().requires_grad_(False)
+        self.micro_batching = micro_batching or MicroBatching(self.default_micro_batch_size)
+        self.max_sequence_length = max_sequence_length or self.default_max_sequence_length
+        self.vae_scale_factor = pipe.vae_scale_factor
+        self.default_height = self.default_width = pipe.default_sample_size * pipe.vae_scale_factor
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        torch_dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        micro_batching: MicroBatching | None = None,
+        max_sequence_length: int | None = None,
+    ) -> "DiffusersFamily":
+        """Loads the family's diffusers pipeline from the local directory `path`; never downloads."""
+        index = read_model_index(path)
+        if index["_class_name"] != cls.diffusers_pipeline:
+            raise ModelLoadError(
+                "model.name",
+                f"{path} holds a {index['_class_name']}, not the {cls.diffusers_pipeline} of model {cls.name!r}",
+            )
+        import diffusers
+
+        pipeline_class = getattr(diffusers, cls.diffusers_pipeline)
+        try:
+            pipe = pipeline_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+        except (OSError, ValueError, KeyError) as error:
+            raise ModelLoadError("model.path", f"cannot load {cls.diffusers_pipeline} from {path}: {error}") from error
+        pipe.set_progress_bar_config(disable=True)
+        for module in pipe.components.values():
+            if isinstance(module, nn.Module):
+                # `nn.Module.to`: diffusers' override warns on every call about fp32 modules these models lack.
+                nn.Module.to(module, device)
+        return cls(pipe, micro_batching=micro_batching, max_sequence_length=max_sequence_length)
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def weight_modules(self) -> dict[str, nn.Module]:
+        return {name: m for name, m in self.pipe.components.items() if isinstance(m, nn.Module)}
+
+    # Sizes and schedule ------------------------------------------------------------------------
+
+    @property
+    def latent_channels(self) -> int:
+        return self.transformer.config.in_channels
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        # The VAE downsamples by `vae_scale_factor` and the transformer takes 2x2 patches.
+        multiple = self.vae_scale_factor * 2
+        for field, value in (("height", height), ("width", width)):
+            if value % multiple:
+                raise InvalidRequestError(field, f"must be a multiple of {multiple} for model {self.name!r}, got {value}")
+        return (self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
+
+    def image_sequence_length(self, height: int, width: int) -> int:
+        """Image tokens the transformer sees: the `image_seq_len` that dynamic shifting reads."""
+        _, latent_height, latent_width = self.latent_shape(height, width)
+        return (latent_height // 2) * (latent_width // 2)
+
+    def schedule(self, num_steps: int, height: int, width: int) -> ScheduleSnapshot:
+        return ScheduleSnapshot.from_scheduler(
+            self.scheduler,
+            num_steps,
+            model_timesteps=self.model_timesteps,
+            **self.set_timesteps_kwargs(num_steps, height, width),
+        )
+
+    def set_timesteps_kwargs(self, num_steps: int, height: int, width: int) -> dict[str, Any]:
+        """`sigmas` and `mu` for `set_timesteps`, as the family's pipeline passes them."""
+        return {}
+
+    def model_timesteps(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """The transformer's time input at each step; by default the scheduler's `timesteps`."""
+        return timesteps
+
+    def dynamic_shift_kwargs(self, num_steps: int, height: int, width: int, max_shift: float) -> dict[str, Any]:
+        """FLUX.1's and Qwen-Image's call: sigmas `linspace(1, 1/T, T)` and a `mu` that grows with
+        the image's token count (`max_shift` is the pipeline's default for a config without one)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = self.scheduler.config
+        mu = calculate_shift(
+            self.image_sequence_length(height, width),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", max_shift),
+        )
+        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / num_steps, num_steps)
+        return {"sigmas": sigmas, "mu": mu}
+
+    # Conditioning ------------------------------------------------------------------------------
+
+    def check_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> None:
+        if len(prompts) != len(negative_prompts):
+            raise InvalidRequestError("negative_prompt", "needs one entry per prompt")
+        for field, texts in (("prompt", prompts), ("negative_prompt", negative_prompts)):
+            for text in texts:
+                if not isinstance(text, str):
+                    raise UnknownPromptError(field, f"expected a string, got {type(text).__name__}")
+
+    def encode_prompts(
+        self, prompts: Sequence[str], negative_prompts: Sequence[str], options: SamplingOptions
+    ) -> Conditioning:
+        self.check_prompts(prompts, negative_prompts)
+        encoded: dict[str, dict[str, torch.Tensor]] = {}
+
+        def rows(texts: Sequence[str]) -> dict[str, torch.Tensor]:
+            for text in texts:
+                if text not in encoded:
+                    encoded[text] = self.encode_prompt(text)
+            return {name: torch.cat([encoded[t][name] for t in texts]) for name in encoded[texts[0]]}
+
+        with torch.no_grad():
+            positive = rows(prompts)
+            negative = rows(negative_prompts) if self.uses_negative_branch(options) else None
+        return Conditioning(
+            image_kwargs=self.image_kwargs(len(prompts), options),
+            pos_cond_kwargs=positive,
+            neg_cond_kwargs=negative,
+            guidance=self.guidance(len(prompts), options),
+        )
+
+    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+        """One prompt's transformer keyword arguments, each `(1, ...)`, encoded alone."""
+        raise NotImplementedError
+
+    def uses_negative_branch(self, options: SamplingOptions) -> bool:
+        raise NotImplementedError
+
+    def image_kwargs(self, batch_size: int, options: SamplingOptions) -> dict[str, torch.Tensor] | None:
+        """Per-sample transformer inputs that describe the image (ids, shapes), `(B, ...)`."""
+        return None
+
+    def guidance(self, batch_size: int, options: SamplingOptions) -> torch.Tensor | None:
+        """A guidance-distilled transformer's guidance input, `(B,)` fp32; None for the others."""
+        if not self.transformer.config.get("guidance_embeds", False):
+            return None
+        return torch.full((batch_size,), float(options.guidance_scale), dtype=torch.float32)
+
+    # Model calls -------------------------------------------------------------------------------
+
+    def run_transformer(self, hidden_states: torch.Tensor, timestep: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The transformer's output in fp32, its inputs cast to the weights' dtype."""
+        output = self.transformer(hidden_states=hidden_states.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)
+        return output[0].float()
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            images = [self.decode_latents(latents[i : i + 1].to(self.vae.dtype)) for i in range(latents.shape[0])]
+        return self.pipe.image_processor.postprocess(torch.cat(images), output_type="pt").float()
+
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The VAE's image in [-1, 1] for one sample's latents `(1, *latent_shape)`."""
+        config = self.vae.config
+        return self.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
+
+
+class PackedLatentFamily(DiffusersFamily):
+    """FLUX.1 and Qwen-Image: the transformer takes latents packed into 2x2 tokens, its time
+    input is the timestep rounded to the model dtype and divided by 1000, and the schedule
+    shifts dynamically with the image size.
+
+    Latents are kept unpacked, `(C, H/8, W/8)`, in trajectories (the layout a video family
+    extends with a frames axis); packing is a permutation, so it changes no value.
+    """
+
+    @property
+    def latent_channels(self) -> int:
+        return self.transformer.config.in_channels // 4
+
+    def set_timesteps_kwargs(self, num_steps: int, height: int, width: int) -> dict[str, Any]:
+        return self.dynamic_shift_kwargs(num_steps, height, width, max_shift=1.15)
+
+    def model_timesteps(self, timesteps: torch.Tensor) -> torch.Tensor:
+        # The pipelines compute `t.to(latents.dtype) / 1000` in the model dtype (bf16: off by up
+        # to 4e-3 from sigmas), and the model was trained on that input.
+        return timesteps.to(self.dtype) / 1000
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        batch_size, channels, height, width = latents.shape
+        return self.pipe._pack_latents(latents, batch_size, channels, height, width)
+
+    def unpack(self, tokens: torch.Tensor, latent_height: int, latent_width: int) -> torch.Tensor:
+        unpacked = self.pipe._unpack_latents(
+            tokens, latent_height * self.vae_scale_factor, latent_width * self.vae_scale_factor, self.vae_scale_factor
+        )
+        return unpacked.reshape(tokens.shape[0], self.latent_channels, latent_height, latent_width)
+
+    def uses_negative_branch(self, options: SamplingOptions) -> bool:
+        # diffusers also asks for a negative prompt; here an absent one is the empty prompt, so
+        # the requested scale is never silently dropped.
+        return options.true_cfg_scale is not None and options.true_cfg_scale > 1
+
+    def predict_velocity(
+        self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, options: SamplingOptions
+    ) -> torch.Tensor:
+        tokens = self.pack(x_t)
+        inputs = self.transformer_inputs(conditioning)
+        velocity = self.run_transformer(tokens, timestep, **inputs(conditioning.pos_cond_kwargs))
+        if self.uses_negative_branch(options):
+            if conditioning.neg_cond_kwargs is None:
+                raise ValueError("true CFG needs the negative branch's conditioning (neg_cond_kwargs)")
+            # A separate call, as the pipelines make it.
+            negative = self.run_transformer(tokens, timestep, **inputs(conditioning.neg_cond_kwargs))
+            velocity = self.combine_guidance(velocity, negative, options.true_cfg_scale)
+        return self.unpack(velocity, x_t.shape[-2], x_t.shape[-1])
+
+    def transformer_inputs(self, conditioning: Conditioning):
+        """A function from one branch's cond kwargs to the transformer's keyword arguments."""
+        raise NotImplementedError
+
+    def combine_guidance(self, positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
+        return negative + scale * (positive - negative)

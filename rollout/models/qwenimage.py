@@ -1,0 +1,70 @@
+"""Qwen-Image (`QwenImagePipeline`).
+
+Text: Qwen2.5-VL's last hidden states after a chat template whose 34-token system prefix is
+dropped. The pipeline pads a batch to its longest prompt and drops the mask when nothing is
+padded, which makes a prompt's conditioning depend on its batch; here every prompt is padded to
+`max_sequence_length` with an explicit mask, alone. Latents are packed like FLUX.1's, the
+schedule shifts with the image's token count and stretches to `shift_terminal`, and true CFG
+(`true_cfg_scale` > 1) rescales the guided velocity to the norm of the conditional one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.models.base import Conditioning
+from rollout.models.diffusers_family import PackedLatentFamily
+from rollout.options import SamplingOptions
+
+
+class QwenImageFamily(PackedLatentFamily):
+    name = "qwenimage"
+    diffusers_pipeline = "QwenImagePipeline"
+    default_guidance_scale = 1.0  # read only by guidance-distilled weights; Qwen-Image's are not
+    default_max_sequence_length = 512  # the pipeline's limit; a shorter one is faster
+
+    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+        embeds, mask = self.pipe.encode_prompt(
+            prompt=[prompt], device=self.device, max_sequence_length=self.max_sequence_length
+        )
+        length = embeds.shape[1]
+        padding = self.max_sequence_length - length
+        valid = torch.ones((1, length), dtype=torch.long, device=embeds.device) if mask is None else mask
+        return {
+            "encoder_hidden_states": torch.cat([embeds, embeds.new_zeros(1, padding, embeds.shape[2])], dim=1),
+            "encoder_hidden_states_mask": torch.cat([valid, valid.new_zeros(1, padding)], dim=1),
+        }
+
+    def image_kwargs(self, batch_size: int, options: SamplingOptions) -> dict[str, torch.Tensor]:
+        _, latent_height, latent_width = self.latent_shape(options.height, options.width)
+        shape = torch.tensor([[1, latent_height // 2, latent_width // 2]], dtype=torch.long)
+        return {"img_shapes": shape.expand(batch_size, 3).clone()}  # (frames, rows, columns) of tokens
+
+    def transformer_inputs(self, conditioning: Conditioning):
+        img_shapes = [[tuple(row.tolist())] for row in conditioning.image_kwargs["img_shapes"]]
+        guidance = conditioning.guidance
+
+        def inputs(branch: dict[str, torch.Tensor]) -> dict:
+            return {
+                "encoder_hidden_states": branch["encoder_hidden_states"],
+                "encoder_hidden_states_mask": branch["encoder_hidden_states_mask"],
+                "img_shapes": img_shapes,
+                "guidance": guidance,
+            }
+
+        return inputs
+
+    def combine_guidance(self, positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
+        combined = super().combine_guidance(positive, negative, scale)
+        # Per token, over the packed channels, as the pipeline rescales.
+        return combined * (torch.norm(positive, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        config = self.vae.config
+        # The pipeline's arithmetic, literally (a division by the reciprocal std), for equal bits.
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(
+            latents.device, latents.dtype
+        )
+        video_latents = latents.unsqueeze(2)  # (B, C, frames=1, h, w): the VAE is a video VAE
+        return self.vae.decode(video_latents / inverse_std + mean, return_dict=False)[0][:, :, 0]

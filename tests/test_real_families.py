@@ -1,0 +1,246 @@
+"""SD3, FLUX.1 and Qwen-Image through the rollout library, on tiny random-weight copies saved as
+diffusers directories (`tiny_families.py`) and loaded by the real loading code.
+
+The reference is diffusers' own `pipeline(...)`: the rollout's deterministic (ODE) path must
+reproduce it, and the schedule must be the scheduler's own after the pipeline set it.
+"""
+
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+
+from rollout.errors import InvalidRequestError, ModelLoadError
+from rollout.models.base import MicroBatching
+from rollout.models.registry import load_pipeline, resolve_model
+from rollout.options import SamplingOptions
+from rollout.replay import replay_log_probs
+from rollout.sampler import sample
+from rollout.transitions import TransitionKind
+
+FAMILIES = ["sd3", "flux", "qwenimage"]
+SIZE = 64
+
+
+@pytest.fixture(scope="module")
+def pipelines(tiny_family_dirs):
+    """(family, dtype name) -> the loaded pipeline, loaded once."""
+    cache = {}
+
+    def load(family: str, dtype: str = "float32", micro_batch_size: int = 2):
+        key = (family, dtype, micro_batch_size)
+        if key not in cache:
+            cache[key] = load_pipeline(
+                family,
+                tiny_family_dirs[family],
+                device="cpu",
+                dtype=getattr(torch, dtype),
+                micro_batching=MicroBatching(micro_batch_size),
+            )
+        return cache[key]
+
+    return load
+
+
+def guidance(family: str, on: bool) -> tuple[dict, dict]:
+    """(SamplingOptions fields, the same guidance as `pipeline(...)` arguments)."""
+    if family == "sd3":
+        scale = 4.5 if on else 1.0
+        return {"guidance_scale": scale}, {"guidance_scale": scale}
+    if not on:
+        return {}, {}
+    return {"true_cfg_scale": 3.0}, {"true_cfg_scale": 3.0}
+
+
+def diffusers_latents(pipeline, prompts, negative_prompts, seeds, size, steps, pipe_guidance):
+    """`pipeline(..., output_type="latent")` from the same seeds, unpacked to the rollout's layout."""
+    negative = {"negative_prompt": negative_prompts} if negative_prompts else {}
+    latents = pipeline.pipe(
+        prompt=prompts,
+        height=size,
+        width=size,
+        num_inference_steps=steps,
+        generator=[torch.Generator("cpu").manual_seed(s) for s in seeds],
+        output_type="latent",
+        **negative,
+        **pipe_guidance,
+    ).images.float()
+    if latents.ndim == 3:  # packed tokens (FLUX.1, Qwen-Image)
+        latents = pipeline.unpack(latents, size // 8, size // 8)
+    return latents
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
+def test_the_ode_path_reproduces_the_diffusers_pipeline(pipelines, family, guided):
+    fields, pipe_guidance = guidance(family, guided)
+    negative = ["blurry"] if guided else None
+    # Alone, with a micro-batch of 1: the transformer calls are the pipeline's, row for row.
+    alone = pipelines(family, micro_batch_size=1)
+    options = SamplingOptions(num_inference_steps=3, height=SIZE, width=SIZE, sde_type=TransitionKind.ODE, **fields)
+    rollout = sample(alone, ["a red cube"], [11], options, negative_prompts=negative)
+    expected = diffusers_latents(alone, ["a red cube"], negative, [11], SIZE, 3, pipe_guidance)
+    difference = (rollout.samples[0].final_latents - expected[0]).abs().max().item()
+    if family == "qwenimage":
+        # The only difference from the pipeline: the prompt is padded to a fixed length with a
+        # mask (the pipeline pads to the batch's longest prompt and drops an all-ones mask).
+        assert 0 < difference <= 1e-5
+    else:
+        assert difference == 0.0
+
+    # Two prompts of different lengths: each prompt is encoded alone here and in one batch there.
+    prompts, seeds = ["a red cube", "two green spheres on a wooden table at dusk"], [3, 4]
+    negatives = ["blurry", "low quality, watermark"] if guided else None
+    rollout = sample(pipelines(family), prompts, seeds, options, negative_prompts=negatives)
+    expected = diffusers_latents(alone, prompts, negatives, seeds, SIZE, 3, pipe_guidance)
+    final = torch.stack([s.final_latents for s in rollout.samples])
+    assert (final - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_schedule_is_the_schedulers_own_at_each_size(pipelines, family):
+    pipeline = pipelines(family)
+    steps = 4
+    schedules = {}
+    for size in (32, 96):
+        schedule = pipeline.schedule(steps, size, size)
+        pipeline.pipe(prompt="x", height=size, width=size, num_inference_steps=steps, output_type="latent")
+        assert torch.equal(schedule.sigmas, pipeline.pipe.scheduler.sigmas.cpu())
+        assert torch.equal(schedule.timesteps, pipeline.pipe.scheduler.timesteps.cpu())
+        assert schedule.sigmas.dtype == torch.float32 and schedule.sigmas.shape == (steps + 1,)
+        assert schedule.sigmas[-1] == 0
+        schedules[size] = schedule
+    if family == "sd3":  # a static shift: the size does not matter; the last sigma is shifted twice
+        assert torch.equal(schedules[32].sigmas, schedules[96].sigmas)
+        assert schedules[32].sigmas[-2].item() == pytest.approx(0.0089286, abs=1e-7)
+    else:  # mu grows with the image's token count (Qwen's last nonzero sigma is pinned, below)
+        assert (schedules[96].sigmas[1:-2] > schedules[32].sigmas[1:-2]).all()
+    if family == "qwenimage":  # stretched to shift_terminal
+        assert schedules[32].sigmas[-2].item() == pytest.approx(0.02, abs=1e-6)
+
+
+def test_concurrent_requests_of_different_sizes_keep_their_own_schedule(pipelines):
+    pipeline = pipelines("flux")
+    expected = {size: pipeline.schedule(6, size, size) for size in (32, 64, 96)}
+    before = pipeline.scheduler.sigmas.clone()
+    mismatches = []
+
+    def request(size):
+        for _ in range(20):
+            if not pipeline.schedule(6, size, size).equals(expected[size]):
+                mismatches.append(size)
+
+    threads = [threading.Thread(target=request, args=(size,)) for size in expected]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert mismatches == []
+    assert torch.equal(pipeline.scheduler.sigmas, before)  # the pipeline's scheduler is never set
+
+
+@pytest.mark.parametrize("family", ["flux", "qwenimage"])
+def test_the_transformer_time_input_is_the_familys_own(pipelines, family):
+    for dtype in ("float32", "bfloat16"):
+        schedule = pipelines(family, dtype).schedule(10, SIZE, SIZE)
+        assert torch.equal(schedule.model_timesteps, (schedule.timesteps.to(getattr(torch, dtype)) / 1000).float())
+    # In bf16 it is not sigmas: the model was trained on the rounded input.
+    assert not torch.equal(schedule.model_timesteps, schedule.sigmas[:-1])
+    assert torch.equal(pipelines("sd3").schedule(10, SIZE, SIZE).model_timesteps, pipelines("sd3").schedule(10, SIZE, SIZE).timesteps)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
+def test_replay_equals_the_rollout_exactly(pipelines, family, dtype, guided):
+    pipeline = pipelines(family, dtype)
+    fields, _ = guidance(family, guided)
+    options = SamplingOptions(num_inference_steps=3, height=SIZE, width=SIZE, return_denoising_env=True, **fields)
+    negatives = ["blurry", "dark"] if guided else None
+    batch = sample(pipeline, ["a cat", "a dog in the snow"], [1, 2], options, negative_prompts=negatives)
+    assert all(s.latents.dtype == torch.float32 and s.log_probs.dtype == torch.float32 for s in batch.samples)
+    rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
+    assert torch.isfinite(rollout_log_probs).all()
+    from_env = replay_log_probs(pipeline, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(from_env.log_probs, rollout_log_probs)
+    # A trainer without the returned conditioning encodes the prompts again: the same bits.
+    without_env = [type(s)(**{**s.__dict__, "denoising_env": None}) for s in batch.samples]
+    assert torch.equal(replay_log_probs(pipeline, batch.schedule, batch.options, without_env).log_probs, rollout_log_probs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_sample_is_the_same_alone_and_in_a_batch(pipelines, family):
+    pipeline = pipelines(family)
+    fields, _ = guidance(family, True)
+    options = SamplingOptions(num_inference_steps=2, height=SIZE, width=SIZE, debug=True, **fields)
+    alone = sample(pipeline, ["a cat"], [7], options).samples[0]
+    prompts = ["a very long prompt about a lighthouse on a cliff in a storm at night", "a cat", "x"]
+    batched = sample(pipeline, prompts, [8, 7, 9], options).samples[1]
+    for name in ("final_latents", "latents", "log_probs", "image"):
+        assert torch.equal(getattr(alone, name), getattr(batched, name)), name
+    assert torch.equal(alone.debug.model_outputs, batched.debug.model_outputs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_denoising_env_holds_every_transformer_input(pipelines, family):
+    pipeline = pipelines(family)
+    fields, _ = guidance(family, True)
+    options = SamplingOptions(num_inference_steps=2, height=32, width=SIZE, return_denoising_env=True, **fields)
+    env = sample(pipeline, ["a cat"], [0], options).samples[0].denoising_env
+    tokens = (32 // 16) * (SIZE // 16)
+    expected = {
+        "sd3": ({"encoder_hidden_states", "pooled_projections"}, None, False),
+        "flux": ({"encoder_hidden_states", "pooled_projections", "txt_ids"}, {"img_ids": (tokens, 3)}, True),
+        "qwenimage": ({"encoder_hidden_states", "encoder_hidden_states_mask"}, {"img_shapes": (3,)}, False),
+    }[family]
+    branch_keys, image_shapes, has_guidance = expected
+    assert set(env["pos_cond_kwargs"]) == set(env["neg_cond_kwargs"]) == branch_keys
+    assert (env["image_kwargs"] is None) == (image_shapes is None)
+    for name, shape in (image_shapes or {}).items():
+        assert tuple(env["image_kwargs"][name].shape) == shape
+    assert (env["guidance"] is not None) == has_guidance
+    if family == "qwenimage":
+        mask = env["pos_cond_kwargs"]["encoder_hidden_states_mask"]
+        assert mask.shape == (pipeline.max_sequence_length,) and 0 < mask.sum() < len(mask)
+        assert env["image_kwargs"]["img_shapes"].tolist() == [1, 32 // 16, SIZE // 16]  # (frames, token rows, token columns)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sizes_the_model_cannot_make_are_refused(pipelines, family):
+    with pytest.raises(InvalidRequestError, match="height: must be a multiple of 16"):
+        pipelines(family).latent_shape(72, 64)
+
+
+def test_the_family_is_read_from_model_index(tiny_family_dirs):
+    for family, path in tiny_family_dirs.items():
+        assert resolve_model(None, path) == (family, path)
+
+
+def test_bad_model_directories_fail_at_load_naming_path_and_cause(tiny_family_dirs, tmp_path):
+    with pytest.raises(ModelLoadError, match="model.path: .*none is not a directory"):
+        load_pipeline("flux", tmp_path / "none", device="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="has no model_index.json"):
+        load_pipeline(None, tmp_path / "empty", device="cpu")
+    broken = shutil.copytree(tiny_family_dirs["sd3"], tmp_path / "broken")
+    shutil.rmtree(broken / "text_encoder_3")
+    with pytest.raises(ModelLoadError, match=r"lacks the component folder\(s\) \['text_encoder_3'\]"):
+        load_pipeline("sd3", broken, device="cpu")
+    (broken / "model_index.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot be read as JSON"):
+        load_pipeline("sd3", broken, device="cpu")
+    with pytest.raises(ModelLoadError, match="model.name: .* holds a FluxPipeline, not the QwenImagePipeline"):
+        load_pipeline("qwenimage", tiny_family_dirs["flux"], device="cpu")
+    with pytest.raises(ModelLoadError, match="model.name: unknown model 'sdxl'"):
+        load_pipeline("sdxl", tiny_family_dirs["flux"], device="cpu")
+    unknown = shutil.copytree(tiny_family_dirs["flux"], tmp_path / "unknown")
+    index = json.loads((unknown / "model_index.json").read_text())
+    (unknown / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusionXLPipeline"}))
+    with pytest.raises(ModelLoadError, match="holds a StableDiffusionXLPipeline; this server serves"):
+        load_pipeline(None, unknown, device="cpu")
+    corrupt = shutil.copytree(tiny_family_dirs["flux"], tmp_path / "corrupt")
+    (corrupt / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="cannot load FluxPipeline from .*corrupt"):
+        load_pipeline("flux", corrupt, device="cpu")

@@ -1,0 +1,415 @@
+"""Tiny, random-weight, fully offline copies of real diffusers pipeline families, for tests.
+
+Each builder assembles a pipeline from the real model classes with tiny widths and depths but the
+real shapes and configs a sampler depends on (16 latent channels, VAE scale factor 8, SD3 patch 2,
+FLUX/Qwen 2x2 packing, the real VAE scaling/shift, the real scheduler configs), then saves it with
+`save_pretrained`, so that tests can load it with `<Pipeline>.from_pretrained(path)` like a hub
+checkpoint. Tokenizers are made in code, so nothing is downloaded. Every component is built after
+`torch.manual_seed`, so two builds write byte-identical weights.
+
+    path = build_tiny_flux(tmp_path / "flux")
+    pipe = FluxPipeline.from_pretrained(path)
+"""
+
+import re
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
+
+_SEED = 0
+
+# Qwen-Image's system prompt (QwenImagePipeline.prompt_template_encode). Its words double as the
+# English vocabulary of every tiny tokenizer, together with a few words that test prompts use.
+_QWEN_SYSTEM_PROMPT = (
+    "Describe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:"
+)
+_PROMPT_WORDS = "a photo of a cat sitting on a red chair next to a dog in the garden"
+_CORPUS = f"{_QWEN_SYSTEM_PROMPT} {_PROMPT_WORDS}"
+# The 256 byte-level symbols, in GPT-2's id order (which is their code point order): every byte
+# string is spelt with them, so any text tokenizes with a byte-level BPE.
+_BYTE_SYMBOLS = sorted(ByteLevel.alphabet())
+
+_LATENT_CHANNELS = 16
+# Four VAE blocks: the pipelines derive their VAE scale factor as 2 ** (len(blocks) - 1) = 8.
+_VAE_BLOCKS = 4
+
+_SD3_SCHEDULER = {"shift": 3.0}
+_FLUX_SCHEDULER = {
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+    "shift": 3.0,
+}
+_QWEN_SCHEDULER = {
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+    "shift": 1.0,
+}
+# The Wan 2.1 VAE statistics that Qwen-Image's VAE config carries, per latent channel.
+_QWEN_LATENTS_MEAN = [
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+]  # fmt: skip
+_QWEN_LATENTS_STD = [
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+]  # fmt: skip
+
+
+# --- Tokenizers -------------------------------------------------------------------------------
+
+
+def _learn_merges(words: list[list[str]]) -> list[tuple[str, str]]:
+    """BPE merges, in rank order, that turn each word (a list of initial symbols) into one token.
+
+    Words are taken in turn: a word is first split by the merges learnt so far, then its remaining
+    symbols are merged left to right by new, lower-priority merges, which therefore never fire
+    before the earlier ones and leave the words already learnt whole.
+    """
+    ranks: dict[tuple[str, str], int] = {}
+    for symbols in words:
+        symbols = _apply_merges(symbols, ranks)
+        while len(symbols) > 1:
+            ranks.setdefault((symbols[0], symbols[1]), len(ranks))
+            symbols = [symbols[0] + symbols[1], *symbols[2:]]
+    return list(ranks)
+
+
+def _apply_merges(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Split a word as BPE does: merge the adjacent pair of lowest rank until none is known."""
+    while True:
+        pairs = [(ranks[pair], i) for i, pair in enumerate(zip(symbols, symbols[1:])) if pair in ranks]
+        if not pairs:
+            return symbols
+        _, i = min(pairs)
+        symbols = [*symbols[:i], symbols[i] + symbols[i + 1], *symbols[i + 2 :]]
+
+
+def _pre_tokens(tokenizer, text: str) -> list[str]:
+    """`text` as the tokenizer's own normalizer and pre-tokenizer split it (byte-level mapped)."""
+    backend = tokenizer.backend_tokenizer
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    return [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def _clip_tokenizer(pad_token: str = "<|endoftext|>") -> CLIPTokenizer:
+    """CLIP-style byte-level BPE: lowercased words, end-of-word suffix `</w>`, 77 tokens."""
+    specials = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+    bare = CLIPTokenizer(vocab={s: i for i, s in enumerate(_BYTE_SYMBOLS)}, merges=[], **specials)
+    # CLIP's BPE marks the last symbol of each word.
+    words = [[*word[:-1], word[-1] + "</w>"] for word in _pre_tokens(bare, _CORPUS)]
+    merges = _learn_merges(words)
+    # Like CLIP's vocabulary: bytes, bytes ending a word, merge results, then the special tokens.
+    symbols = [*_BYTE_SYMBOLS, *(s + "</w>" for s in _BYTE_SYMBOLS), *(a + b for a, b in merges)]
+    symbols += [specials["bos_token"], specials["eos_token"]]
+    vocab = {s: i for i, s in enumerate(dict.fromkeys(symbols))}
+    return CLIPTokenizer(vocab=vocab, merges=merges, pad_token=pad_token, model_max_length=77, **specials)
+
+
+def _t5_tokenizer() -> T5TokenizerFast:
+    """T5-style Unigram: `<pad>`, `</s>`, `<unk>` at ids 0-2, then `▁`-prefixed words and characters.
+
+    Like the real T5 (and because `T5TokenizerFast` rebuilds its model without byte fallback on
+    load), characters outside printable ASCII become `<unk>`.
+    """
+    specials = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    # Scores are log-probabilities: a whole word beats spelling it with single characters.
+    characters = [("▁", -4.0)] + [(chr(c), -8.0) for c in range(33, 127)]
+    words = [(f"▁{word}", -6.0) for word in dict.fromkeys(re.findall(r"[A-Za-z]+", _CORPUS))]
+    return T5TokenizerFast(vocab=specials + characters + words, extra_ids=0, model_max_length=512)
+
+
+_QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def _qwen2_tokenizer() -> Qwen2Tokenizer:
+    """Qwen2-style byte-level BPE (case kept, spaces glued to the next word) with the chat tokens."""
+    bare = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(_BYTE_SYMBOLS)}, merges=[])
+    # The text of Qwen-Image's chat template between its special tokens, so that its system prefix
+    # comes to one token per word, as with the real tokenizer (see build_tiny_qwenimage).
+    corpus = f"system\n{_QWEN_SYSTEM_PROMPT}\nuser\nassistant\n {_PROMPT_WORDS}"
+    merges = _learn_merges([list(word) for word in _pre_tokens(bare, corpus)])
+    symbols = [*_BYTE_SYMBOLS, *(a + b for a, b in merges), *_QWEN_SPECIAL_TOKENS, *_QWEN_VISION_TOKENS]
+    vocab = {s: i for i, s in enumerate(dict.fromkeys(symbols))}
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=["<|im_start|>", *_QWEN_VISION_TOKENS],
+        model_max_length=131072,
+    )
+
+
+# --- Model components -------------------------------------------------------------------------
+
+
+def _clip_text_encoder(
+    model_class: type[CLIPTextModel | CLIPTextModelWithProjection],
+    tokenizer: CLIPTokenizer,
+    hidden_size: int,
+    hidden_act: str,
+) -> CLIPTextModel | CLIPTextModelWithProjection:
+    torch.manual_seed(_SEED)
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        projection_dim=hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=tokenizer.model_max_length,
+        hidden_act=hidden_act,
+        # The pooled output is read at the first end-of-text token, found by this id.
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model_class(config)
+
+
+def _t5_encoder(tokenizer: T5TokenizerFast, d_model: int) -> T5EncoderModel:
+    torch.manual_seed(_SEED)
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=16,
+        d_ff=2 * d_model,
+        num_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",  # T5 v1.1, as in SD3 and FLUX
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    return T5EncoderModel(config)
+
+
+def _vae(scaling_factor: float, shift_factor: float) -> AutoencoderKL:
+    """The SD3/FLUX VAE layout (16 latent channels, scale factor 8) with tiny widths."""
+    torch.manual_seed(_SEED)
+    return AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * _VAE_BLOCKS,
+        up_block_types=("UpDecoderBlock2D",) * _VAE_BLOCKS,
+        block_out_channels=(8, 16, 16, 16),
+        norm_num_groups=8,
+        latent_channels=_LATENT_CHANNELS,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        # SD3 and FLUX VAEs have no quant convs.
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+# --- Families ---------------------------------------------------------------------------------
+
+
+def build_tiny_sd3(path: Path) -> Path:
+    """Save a tiny SD3.5-like `StableDiffusion3Pipeline` to `path` and return `path`.
+
+    CLIP-L (hidden 32) and CLIP-G (hidden 48) `CLIPTextModelWithProjection`s, a T5 encoder of width
+    96 (>= 32 + 48, the CLIP features are zero-padded to it), an `SD3Transformer2DModel` with two
+    layers, the first with SD3.5's dual attention and RMS qk-norm, patch 2, default size 64 px and
+    positional embeddings for up to 512 px; `AutoencoderKL` (scaling 1.5305, shift 0.0609) and the
+    static shift-3 flow-matching scheduler.
+    """
+    clip_tokenizer = _clip_tokenizer()
+    # SD3's second CLIP tokenizer (from OpenCLIP bigG) pads with "!", not with end-of-text.
+    clip_tokenizer_2 = _clip_tokenizer(pad_token="!")
+    t5_tokenizer = _t5_tokenizer()
+    text_encoder = _clip_text_encoder(CLIPTextModelWithProjection, clip_tokenizer, 32, "quick_gelu")
+    text_encoder_2 = _clip_text_encoder(CLIPTextModelWithProjection, clip_tokenizer_2, 48, "gelu")
+    text_encoder_3 = _t5_encoder(t5_tokenizer, d_model=96)
+    torch.manual_seed(_SEED)
+    transformer = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=_LATENT_CHANNELS,
+        out_channels=_LATENT_CHANNELS,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_encoder_3.config.d_model,
+        caption_projection_dim=32,  # the transformer's width, heads * head dim
+        pooled_projection_dim=text_encoder.config.projection_dim + text_encoder_2.config.projection_dim,
+        pos_embed_max_size=32,
+        dual_attention_layers=(0,),
+        qk_norm="rms_norm",
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**_SD3_SCHEDULER),
+        vae=_vae(scaling_factor=1.5305, shift_factor=0.0609),
+        text_encoder=text_encoder,
+        tokenizer=clip_tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=clip_tokenizer_2,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=t5_tokenizer,
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
+def build_tiny_flux(path: Path, guidance_embeds: bool = True) -> Path:
+    """Save a tiny FLUX.1-like `FluxPipeline` to `path` and return `path`.
+
+    CLIP-L `CLIPTextModel` (hidden 32, its pooled output conditions the transformer), a T5 encoder
+    of width 64, a `FluxTransformer2DModel` with one double- and one single-stream block on 2x2
+    packed latents (in_channels 64), with guidance embedding as FLUX.1-dev unless
+    `guidance_embeds=False` (FLUX.1-schnell-like); `AutoencoderKL` (scaling 0.3611, shift 0.1159)
+    and FLUX.1-dev's resolution-dependent (dynamic shift) scheduler.
+    """
+    clip_tokenizer = _clip_tokenizer()
+    t5_tokenizer = _t5_tokenizer()
+    text_encoder = _clip_text_encoder(CLIPTextModel, clip_tokenizer, 32, "quick_gelu")
+    text_encoder_2 = _t5_encoder(t5_tokenizer, d_model=64)
+    torch.manual_seed(_SEED)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * _LATENT_CHANNELS,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_encoder_2.config.d_model,
+        pooled_projection_dim=text_encoder.config.hidden_size,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 6, 6),  # sums to the head dim, like (16, 56, 56) for 128
+    )
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX_SCHEDULER),
+        vae=_vae(scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=text_encoder,
+        tokenizer=clip_tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=t5_tokenizer,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
+def build_tiny_qwenimage(path: Path) -> Path:
+    """Save a tiny Qwen-Image-like `QwenImagePipeline` to `path` and return `path`.
+
+    A `Qwen2_5_VLForConditionalGeneration` text encoder (text width 32, multimodal RoPE, a one-block
+    vision tower), a `QwenImageTransformer2DModel` with one block on 2x2 packed latents, an
+    `AutoencoderKLQwenImage` with Qwen-Image's per-channel latent mean/std and the scheduler config
+    of Qwen-Image (dynamic exponential shift, terminal sigma 0.02).
+
+    The pipeline drops a fixed number of leading tokens (its chat template's system prefix) from
+    the text encoder's output; the tokenizer is made so that the prefix has exactly that length,
+    which is checked here.
+    """
+    tokenizer = _qwen2_tokenizer()
+    text_width = 32
+    torch.manual_seed(_SEED)
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": text_width,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            # Multimodal RoPE: temporal, height and width sections of the head dim's 8 rotary
+            # frequencies (transformers files Qwen's "mrope" type under "default").
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+            "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": text_width,
+            "fullatt_block_indexes": [0],
+        },
+        # The defaults are ids in Qwen's 151k vocabulary: point them at this tokenizer's tokens.
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    torch.manual_seed(_SEED)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4 * _LATENT_CHANNELS,
+        out_channels=_LATENT_CHANNELS,
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_width,
+        axes_dims_rope=(4, 6, 6),  # sums to the head dim, like (16, 56, 56) for 128
+    )
+    torch.manual_seed(_SEED)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=_LATENT_CHANNELS,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        # Three spatial downsamplings: the pipeline's VAE scale factor is 2 ** 3 = 8.
+        temperal_downsample=[False, True, True],
+        latents_mean=_QWEN_LATENTS_MEAN,
+        latents_std=_QWEN_LATENTS_STD,
+    )
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**_QWEN_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    prefix_length = len(tokenizer(prefix).input_ids)
+    if prefix_length != pipe.prompt_template_encode_start_idx:
+        raise RuntimeError(
+            f"Qwen-Image's system prefix is {prefix_length} tokens with the tiny tokenizer, but the pipeline "
+            f"drops {pipe.prompt_template_encode_start_idx}: the prompt embeddings would be cut wrongly"
+        )
+    pipe.save_pretrained(path)
+    return path
+
+
+FAMILY_BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "qwenimage": build_tiny_qwenimage}
