@@ -101,7 +101,7 @@ class RolloutWorker:
         return {
             "model": self.pipeline.name,
             "model_path": str(self.model_path),
-            "pipeline_class": type(self.pipeline).__name__,
+            "pipeline_class": getattr(self.pipeline, "diffusers_pipeline", type(self.pipeline).__name__),
             "dtype": self.config.model.dtype,
             "scheduler": {"class_name": type(scheduler).__name__, "config": dict(scheduler.config)},
             "default_height": self.pipeline.default_height,
