@@ -1,0 +1,260 @@
+"""GPU check of the real families: the rollout against the plain diffusers pipeline, at real size.
+
+No real weights exist on the device machine (and nothing can be downloaded there), so each model
+is built at its published size from configurations written below, with random weights in bf16.
+Tokenizers and the scheduler come from the tiny offline copies the tests build
+(`tests/tiny_families.py`): a tokenizer's vocabulary does not change the compute.
+
+For each family, one group of 8 samples of one prompt at 512x512, 10 steps, guidance as Flow-GRPO
+trains (SD3.5-Medium: CFG 4.5; FLUX.1-dev: its embedded guidance 3.5):
+- samples/s of the rollout (SDE transitions, every latent of the trajectory and the log-probs
+  kept and moved to the CPU) and of `pipeline(...)` on the same model, batch and seeds;
+- peak GPU memory of each, and the rollout's with 16 samples (it grows with the micro-batch,
+  not with the samples);
+- the largest |log-prob difference| between the rollout and its replay, in bf16;
+- the largest |difference| of final latents between the rollout's ODE path (fp32 latents) and
+  `pipeline(..., output_type="latent")` (latents re-cast to bf16 every step).
+
+    python scripts/gpu_check.py --families sd3 flux --out docs/gpu_check.json
+    python scripts/gpu_check.py --tiny     # the same code on the tiny copies, on the CPU (tested)
+
+On the device machine, which has torch, transformers and peft but not diffusers: carry diffusers
+as a wheel (`docs/real_models.md` gives the commands).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from rollout.models.base import MicroBatching  # noqa: E402
+from rollout.models.flux import FluxFamily  # noqa: E402
+from rollout.models.sd3 import StableDiffusion3Family  # noqa: E402
+from rollout.options import SamplingOptions  # noqa: E402
+from rollout.replay import replay_log_probs  # noqa: E402
+from rollout.sampler import sample  # noqa: E402
+from rollout.transitions import TransitionKind  # noqa: E402
+
+GROUP = 8
+PROMPT = "a photo of a corgi wearing a red scarf, sitting on a wooden bench in a park"
+
+
+def clip_l(with_projection: bool):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+        projection_dim=768, vocab_size=49408, max_position_embeddings=77, hidden_act="quick_gelu",
+    )  # fmt: skip
+    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
+
+
+def clip_g():
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+        projection_dim=1280, vocab_size=49408, max_position_embeddings=77, hidden_act="gelu",
+    )  # fmt: skip
+    return CLIPTextModelWithProjection(config)
+
+
+def t5_xxl():
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128,
+        feed_forward_proj="gated-gelu",
+    )  # fmt: skip
+    return T5EncoderModel(config)
+
+
+def vae(scaling_factor: float, shift_factor: float):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=2, sample_size=1024, scaling_factor=scaling_factor, shift_factor=shift_factor,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )  # fmt: skip
+
+
+def sd35_medium(tiny_pipe):
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    transformer = SD3Transformer2DModel(
+        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+        attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+        caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
+        dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+    )  # fmt: skip
+    return StableDiffusion3Pipeline(
+        transformer=transformer, vae=vae(1.5305, 0.0609), scheduler=tiny_pipe.scheduler,
+        text_encoder=clip_l(with_projection=True), tokenizer=tiny_pipe.tokenizer,
+        text_encoder_2=clip_g(), tokenizer_2=tiny_pipe.tokenizer_2,
+        text_encoder_3=t5_xxl(), tokenizer_3=tiny_pipe.tokenizer_3,
+    )  # fmt: skip
+
+
+def flux1_dev(tiny_pipe):
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+        guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+    )  # fmt: skip
+    return FluxPipeline(
+        transformer=transformer, vae=vae(0.3611, 0.1159), scheduler=tiny_pipe.scheduler,
+        text_encoder=clip_l(with_projection=False), tokenizer=tiny_pipe.tokenizer,
+        text_encoder_2=t5_xxl(), tokenizer_2=tiny_pipe.tokenizer_2,
+    )  # fmt: skip
+
+
+FAMILIES = {
+    "sd3": (StableDiffusion3Family, sd35_medium, {"guidance_scale": 4.5}),
+    "flux": (FluxFamily, flux1_dev, {"guidance_scale": 3.5}),
+}
+
+
+@contextlib.contextmanager
+def building_on(device: str, dtype: torch.dtype):
+    """Parameters are created on `device` in `dtype` directly: a 12B model built in fp32 on the
+    CPU first would take minutes."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measured(device: str, fn):
+    """(result, seconds, peak GPU MiB or None) of one call of `fn`."""
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
+    return result, seconds, peak
+
+
+def check_family(name: str, tiny_dir: Path, tiny: bool, device: str, size: int, steps: int) -> dict:
+    family_class, build_real, guidance = FAMILIES[name]
+    dtype = torch.bfloat16
+    tiny_family = family_class.from_pretrained(tiny_dir, torch_dtype=dtype, device=device)
+    if tiny:
+        family = tiny_family
+        family.micro_batching = MicroBatching(GROUP)
+    else:
+        started = time.perf_counter()
+        with building_on(device, dtype):
+            pipe = build_real(tiny_family.pipe)
+        pipe.set_progress_bar_config(disable=True)
+        family = family_class(pipe, micro_batching=MicroBatching(GROUP))
+        print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)
+    parameters = sum(p.numel() for p in family.transformer.parameters())
+
+    options = SamplingOptions(num_inference_steps=steps, height=size, width=size, **guidance)
+    seeds = list(range(GROUP))
+
+    def rollout(samples: int = GROUP):
+        return sample(family, [PROMPT] * samples, list(range(samples)), options)
+
+    def plain_pipeline(output_type: str = "pt"):
+        with torch.no_grad():
+            return family.pipe(
+                prompt=[PROMPT] * GROUP, height=size, width=size, num_inference_steps=steps,
+                generator=[torch.Generator("cpu").manual_seed(s) for s in seeds], output_type=output_type, **guidance,
+            ).images  # fmt: skip
+
+    rollout()  # warm-up: kernels, allocator, cuDNN autotuning
+    plain_pipeline()
+    runs = {"rollout": [], "pipeline": []}
+    for _ in range(2):  # interleaved, so that drift hits both alike
+        batch, seconds, rollout_peak = measured(device, rollout)
+        runs["rollout"].append(seconds)
+        _, seconds, pipeline_peak = measured(device, plain_pipeline)
+        runs["pipeline"].append(seconds)
+    _, _, rollout_peak_16 = measured(device, lambda: rollout(2 * GROUP))
+
+    replayed = replay_log_probs(family, batch.schedule, batch.options, batch.samples)
+    ode_options = SamplingOptions(num_inference_steps=steps, height=size, width=size, sde_type=TransitionKind.ODE, **guidance)
+    ode_latents = torch.stack([s.final_latents for s in sample(family, [PROMPT] * GROUP, seeds, ode_options).samples])
+    pipeline_latents = plain_pipeline("latent").float().cpu()
+    if pipeline_latents.ndim == 3:  # packed tokens
+        pipeline_latents = family.unpack(pipeline_latents, size // 8, size // 8)
+    rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
+    rollout_rate = GROUP / min(runs["rollout"])
+    pipeline_rate = GROUP / min(runs["pipeline"])
+    return {
+        "family": name,
+        "transformer_parameters": parameters,
+        "dtype": "bfloat16",
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "size": size,
+        "steps": steps,
+        "group": GROUP,
+        "guidance": guidance,
+        "rollout_samples_per_s": rollout_rate,
+        "pipeline_samples_per_s": pipeline_rate,
+        "rollout_over_pipeline": rollout_rate / pipeline_rate,
+        "rollout_seconds": runs["rollout"],
+        "pipeline_seconds": runs["pipeline"],
+        "rollout_peak_memory_mb": rollout_peak,
+        "rollout_peak_memory_mb_16_samples": rollout_peak_16,
+        "pipeline_peak_memory_mb": pipeline_peak,
+        "replay_max_abs_dlogp": (replayed.log_probs - rollout_log_probs).abs().max().item(),
+        "log_probs_finite": bool(torch.isfinite(rollout_log_probs).all()),
+        "ode_vs_pipeline_max_abs_latent_diff": (ode_latents - pipeline_latents).abs().max().item(),
+        "latent_abs_max": pipeline_latents.abs().max().item(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=["sd3", "flux"])
+    parser.add_argument("--tiny", action="store_true", help="tiny copies on the CPU: checks the script itself")
+    parser.add_argument("--out", type=Path, help="write the findings here as JSON")
+    args = parser.parse_args()
+
+    from tiny_families import FAMILY_BUILDERS
+
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    size, steps = (64, 3) if args.tiny else (512, 10)
+    findings = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.families:
+            tiny_dir = FAMILY_BUILDERS[name](Path(scratch) / name)
+            findings.append(check_family(name, tiny_dir, args.tiny, device, size, steps))
+            print(json.dumps(findings[-1]), flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(findings, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The GPU check script runs end to end on the tiny copies, on the CPU: what can be checked of it
+before it reaches a GPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_gpu_check_runs_on_the_tiny_copies(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--tiny", "--families", "flux", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    [findings] = json.loads(out.read_text())
+    assert findings["family"] == "flux" and findings["group"] == 8
+    assert findings["rollout_samples_per_s"] > 0 and findings["pipeline_samples_per_s"] > 0
+    assert findings["replay_max_abs_dlogp"] == 0.0 and findings["log_probs_finite"]
+    assert findings["ode_vs_pipeline_max_abs_latent_diff"] < 0.1 * findings["latent_abs_max"]
