@@ -249,11 +249,11 @@ def main() -> None:
             tiny_dir = FAMILY_BUILDERS[name](Path(scratch) / name)
             findings.append(check_family(name, tiny_dir, args.tiny, device, size, steps))
             print(json.dumps(findings[-1]), flush=True)
+            if args.out:  # after each family, so a run cut short keeps what it measured
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(findings, indent=2) + "\n")
             if device == "cuda":
                 torch.cuda.empty_cache()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(findings, indent=2) + "\n")
 
 
 if __name__ == "__main__":

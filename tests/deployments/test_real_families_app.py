@@ -107,3 +107,17 @@ def test_bad_sizes_are_refused_and_the_server_keeps_serving(family_apps, http):
     assert response.status_code == 400 and "height" in response.text and "multiple of 16" in response.text
     response = http.post(f"{url}/rollout/generate", json={"prompt": "x", "height": 32, "width": 32, "num_inference_steps": 2})
     assert response.status_code == 200
+
+
+def test_concurrent_requests_of_different_sizes_are_sampled_apart(family_apps):
+    """Sizes differ in `mu`, so in schedule: each response has its own size's schedule."""
+    handle, _, local = family_apps["qwenimage"]
+    sizes = [32, 64, 32, 64]
+    responses = [
+        handle.generate.remote({"prompt": "a cat", "num_inference_steps": 2, "height": s, "width": s, "seed": i})
+        for i, s in enumerate(sizes)
+    ]
+    for size, response in zip(sizes, responses):
+        batch = response.result().batch()
+        assert batch.schedule.equals(local.schedule(2, size, size))
+        assert batch.samples[0].image.shape == (3, size, size)
