@@ -11,6 +11,8 @@ import threading
 
 import pytest
 import torch
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
 
 from rollout.errors import InvalidRequestError, ModelLoadError
 from rollout.models.base import MicroBatching
@@ -19,6 +21,7 @@ from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.sampler import sample
 from rollout.transitions import TransitionKind
+from rollout.weights import apply_update, disk_update, served_adapter, tensor_update, weights_checksum
 
 FAMILIES = ["sd3", "flux", "qwenimage"]
 SIZE = 64
@@ -244,3 +247,31 @@ def test_bad_model_directories_fail_at_load_naming_path_and_cause(tiny_family_di
     (corrupt / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match="cannot load FluxPipeline from .*corrupt"):
         load_pipeline("flux", corrupt, device="cpu")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_updates_replay_exactly_and_a_checkpoint_restores_the_base(tiny_family_dirs, family):
+    """What a trainer pushes between steps: a PEFT LoRA on the transformer, the policy."""
+    served, trainer = (
+        load_pipeline(family, tiny_family_dirs[family], device="cpu", micro_batching=MicroBatching(2)) for _ in range(2)
+    )
+    base_checksum = weights_checksum(served.transformer)
+    trainer.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in trainer.transformer.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.05 * torch.randn(parameter.shape, generator=generator))
+    update = tensor_update(get_peft_model_state_dict(trainer.transformer), lora_rank=4, lora_alpha=8)
+    apply_update(served.weight_modules, update)
+    assert weights_checksum(served.transformer) == weights_checksum(trainer.transformer) != base_checksum
+
+    fields, _ = guidance(family, True)
+    options = SamplingOptions(num_inference_steps=3, height=32, width=32, **fields)
+    batch = sample(served, ["a cat", "a dog"], [0, 1], options)
+    replayed = replay_log_probs(trainer, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+
+    # The pipeline's own directory is a whole checkpoint: it serves the base weights again.
+    apply_update(served.weight_modules, disk_update(tiny_family_dirs[family], list(served.weight_modules)))
+    assert served_adapter(served.transformer) is None and weights_checksum(served.transformer) == base_checksum

@@ -77,8 +77,9 @@ class DiffusersFamily:
         self.scheduler = pipe.scheduler
         self.transformer = pipe.transformer
         self.vae = pipe.vae
-        for module in self.weight_modules.values():
-            module.eval().requires_grad_(False)
+        for module in pipe.components.values():
+            if isinstance(module, nn.Module):
+                module.eval().requires_grad_(False)
         self.micro_batching = micro_batching or MicroBatching(self.default_micro_batch_size)
         self.max_sequence_length = max_sequence_length or self.default_max_sequence_length
         self.vae_scale_factor = pipe.vae_scale_factor
@@ -124,7 +125,10 @@ class DiffusersFamily:
 
     @property
     def weight_modules(self) -> dict[str, nn.Module]:
-        return {name: m for name, m in self.pipe.components.items() if isinstance(m, nn.Module)}
+        # The denoiser is the policy RL trains; the text encoders and the VAE stay frozen (as in
+        # Flow-GRPO and DanceGRPO), and transformers' checkpoints of them (tied embeddings,
+        # renamed keys) do not map one to one onto their state dicts.
+        return {"transformer": self.transformer}
 
     # Sizes and schedule ------------------------------------------------------------------------
 
