@@ -155,7 +155,7 @@ def test_the_transformer_time_input_is_the_familys_own(pipelines, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
 def test_replay_equals_the_rollout_exactly(pipelines, family, dtype, guided):
     pipeline = pipelines(family, dtype)
