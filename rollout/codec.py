@@ -4,6 +4,12 @@ Compatible with SGLang's diffusion rollout API: a tensor travels as
 ``{"__tensor__": true, "data": <a safetensors file holding it under key "t">, "shape": [...],
 "dtype": "torch.float32"}``; `data` is raw bytes in msgpack bodies and base64 text in JSON.
 Decoding parses safetensors and msgpack only, so it never unpickles anything.
+
+The one-tensor safetensors file is written and read here directly rather than through
+safetensors' dict API, whose per-call work dominated small tensors and copied large ones
+several times (`docs/benchmarks.md`): an 8-byte little-endian header length, a JSON header
+padded with spaces to a multiple of 8, then the bytes. `tests/test_codec.py` checks that the
+bytes are the library's, byte for byte, and that the library reads them.
 """
 
 from __future__ import annotations
@@ -11,23 +17,129 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
+import re
 from typing import Any
 
 import msgpack
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from rollout.errors import CodecError
 
 TENSOR_MARKER = "__tensor__"
 _TENSOR_KEY = "t"
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+_ITEM_SIZES = {name: torch.empty((), dtype=dtype).element_size() for dtype, name in _SAFETENSORS_DTYPES.items()}
+_HEADER_LENGTH_BYTES = 8
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+
+
+def _safetensors_parts(tensor: torch.Tensor) -> tuple[bytes, Any, int]:
+    """A one-tensor safetensors file as (header length and header, a byte view of the data, its size).
+
+    Per-tensor work is kept to the few calls it needs: responses carry hundreds of small tensors.
+    """
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    name = _SAFETENSORS_DTYPES.get(tensor.dtype)
+    if name is None:
+        raise CodecError(f"tensor dtype {tensor.dtype} has no safetensors encoding")
+    nbytes = tensor.nbytes
+    header = f'{{"{_TENSOR_KEY}":{{"dtype":"{name}","shape":[{",".join(map(str, tensor.shape))}],"data_offsets":[0,{nbytes}]}}}}'
+    header += " " * (-len(header) % 8)
+    # A view of the tensor's own storage (numpy has no bfloat16: its bits travel as int16).
+    data = (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy() if nbytes else b""
+    return len(header).to_bytes(_HEADER_LENGTH_BYTES, "little") + header.encode(), data, nbytes
+
+
+def safetensors_bytes(tensor: torch.Tensor) -> bytes:
+    """A safetensors file holding `tensor` under key "t", as `safetensors.torch.save` writes it."""
+    head, data, _ = _safetensors_parts(tensor)
+    return b"".join((head, data))
+
+
+_CANONICAL_HEADER = re.compile(
+    rb'\{"' + _TENSOR_KEY.encode() + rb'":\{"dtype":"([A-Z0-9]+)","shape":\[((?:[0-9]+,)*[0-9]+)?\],"data_offsets":\[0,([0-9]+)\]\}\} *'
+)
+
+
+def _parse_header(header: bytes) -> tuple[Any, Any, Any]:
+    """(dtype name, shape, data offsets) of a one-tensor safetensors header in any JSON layout."""
+    try:
+        parsed = json.loads(header)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise CodecError(f"tensor envelope: data is not a safetensors file: bad header: {error}") from None
+    if not isinstance(parsed, dict):
+        raise CodecError("tensor envelope: data is not a safetensors file: its header is not a map")
+    parsed.pop("__metadata__", None)
+    if set(parsed) != {_TENSOR_KEY}:
+        raise CodecError(f"tensor envelope: expected exactly the key {_TENSOR_KEY!r}, got {sorted(parsed)}")
+    entry = parsed[_TENSOR_KEY]
+    if not isinstance(entry, dict):
+        raise CodecError(f"tensor envelope: data is not a safetensors file: bad entry {str(entry)[:200]}")
+    return entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+
+
+def tensor_from_safetensors(data: bytes) -> torch.Tensor:
+    """The tensor under key "t" of a one-tensor safetensors file, copied once out of `data`.
+
+    Validates as strictly as the safetensors library: the header must be JSON with exactly key
+    "t", a known dtype, a shape of non-negative integers and offsets that cover the data exactly.
+    """
+    if len(data) < _HEADER_LENGTH_BYTES:
+        raise CodecError("tensor envelope: data is not a safetensors file: too short for its header length")
+    header_length = int.from_bytes(data[:_HEADER_LENGTH_BYTES], "little")
+    if header_length > min(_MAX_HEADER_BYTES, len(data) - _HEADER_LENGTH_BYTES):
+        raise CodecError(f"tensor envelope: data is not a safetensors file: header length {header_length} is out of range")
+    start = _HEADER_LENGTH_BYTES + header_length
+    canonical = _CANONICAL_HEADER.fullmatch(data, _HEADER_LENGTH_BYTES, start)
+    if canonical is not None:  # what this codec and safetensors write: no JSON parser needed
+        name, sizes, end = canonical.groups()
+        dtype_name, shape, offsets = name.decode(), [int(size) for size in sizes.split(b",")] if sizes else [], [0, int(end)]
+    else:
+        dtype_name, shape, offsets = _parse_header(bytes(data[_HEADER_LENGTH_BYTES:start]))
+    dtype = _TORCH_DTYPES.get(dtype_name)
+    if (
+        dtype is None
+        or not isinstance(shape, list)
+        or not all(type(size) is int and size >= 0 for size in shape)
+        or not isinstance(offsets, list)
+        or len(offsets) != 2
+    ):
+        raise CodecError(
+            f"tensor envelope: data is not a safetensors file: bad entry {dtype_name!r} {str(shape)[:100]} {str(offsets)[:100]}"
+        )
+    nbytes = math.prod(shape) * _ITEM_SIZES[dtype_name]
+    if offsets != [0, nbytes] or len(data) - start != nbytes:
+        raise CodecError(
+            f"tensor envelope: data is not a safetensors file: {len(data) - start} data bytes, "
+            f"offsets {offsets}, {nbytes} expected for {dtype_name} {shape}"
+        )
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # One copy, into a buffer the tensor owns: `data` is immutable bytes.
+    return torch.frombuffer(bytearray(memoryview(data)[start:]), dtype=dtype).reshape(shape)
 
 
 def encode_tensor(tensor: torch.Tensor, binary: bool = True) -> dict[str, Any]:
     """The envelope of one tensor; `binary=False` base64-encodes `data` for JSON."""
-    data = save_safetensors({_TENSOR_KEY: tensor.detach().cpu().contiguous()})
+    data = safetensors_bytes(tensor)
     return {
         TENSOR_MARKER: True,
         "data": data if binary else base64.b64encode(data).decode("ascii"),
@@ -46,13 +158,7 @@ def decode_tensor(envelope: dict[str, Any]) -> torch.Tensor:
             raise CodecError(f"tensor envelope: data is not valid base64: {e}") from None
     if not isinstance(data, (bytes, bytearray)):
         raise CodecError(f"tensor envelope: data must be bytes or base64 text, got {type(data).__name__}")
-    try:
-        tensors = load_safetensors(bytes(data))
-    except (SafetensorError, ValueError, RuntimeError) as e:
-        raise CodecError(f"tensor envelope: data is not a safetensors file: {e}") from None
-    if set(tensors) != {_TENSOR_KEY}:
-        raise CodecError(f"tensor envelope: expected exactly the key {_TENSOR_KEY!r}, got {sorted(tensors)}")
-    tensor = tensors[_TENSOR_KEY]
+    tensor = tensor_from_safetensors(data)
     if list(tensor.shape) != list(envelope.get("shape", [])) or str(tensor.dtype) != envelope.get("dtype"):
         raise CodecError(
             f"tensor envelope declares shape {envelope.get('shape')} and dtype {envelope.get('dtype')}, "
@@ -98,32 +204,102 @@ def decode_tree(value: Any) -> Any:
 
 
 def to_msgpack(value: Any) -> bytes:
-    return msgpack.packb(TensorEncoder(binary=True).encode(value), use_bin_type=True)
+    """The bytes of `msgpack.packb(TensorEncoder().encode(value))`, each tensor's data copied once.
+
+    Built as a list of chunks joined at the end: msgpack's framing for the values around the
+    tensors, and for each tensor its envelope with the safetensors file written in place (a
+    msgpack `bin` is a length and the raw bytes), so no intermediate file or buffer is built.
+    """
+    return b"".join(_MsgpackChunks().add(value).chunks)
 
 
-def parse_msgpack(body: bytes) -> Any:
+class _MsgpackChunks:
+    def __init__(self):
+        self.chunks: list = []
+        self._packer = msgpack.Packer(use_bin_type=True)
+        self._tensors: dict[int, tuple[torch.Tensor, list]] = {}  # as TensorEncoder: shared tensors once
+
+    def add(self, value: Any) -> "_MsgpackChunks":
+        pack = self._packer
+        if isinstance(value, torch.Tensor):
+            cached = self._tensors.get(id(value))
+            if cached is None:
+                cached = self._tensors[id(value)] = (value, self._envelope(value))
+            self.chunks.extend(cached[1])
+        elif isinstance(value, dict):
+            self.chunks.append(pack.pack_map_header(len(value)))
+            for key, item in value.items():
+                self.chunks.append(pack.pack(key))
+                self.add(item)
+        elif isinstance(value, (list, tuple)):
+            self.chunks.append(pack.pack_array_header(len(value)))
+            for item in value:
+                self.add(item)
+        else:
+            self.chunks.append(pack.pack(value))
+        return self
+
+    def _envelope(self, tensor: torch.Tensor) -> list:
+        """The chunks of `encode_tensor(tensor)` packed: the same keys, in the same order."""
+        head, data, nbytes = _safetensors_parts(tensor)
+        pack = self._packer
+        return [
+            _ENVELOPE_START,
+            _msgpack_bin_header(len(head) + nbytes) + head,
+            data,
+            _SHAPE_KEY + pack.pack(list(tensor.shape)) + _DTYPE_KEY + pack.pack(_DTYPE_NAMES[tensor.dtype]),
+        ]
+
+
+# The constant framing of an envelope (`encode_tensor`'s keys, in its order) around its values.
+_ENVELOPE_START = msgpack.Packer().pack_map_header(4) + msgpack.packb(TENSOR_MARKER) + msgpack.packb(True) + msgpack.packb("data")
+_SHAPE_KEY, _DTYPE_KEY = msgpack.packb("shape"), msgpack.packb("dtype")
+_DTYPE_NAMES = {dtype: str(dtype) for dtype in _SAFETENSORS_DTYPES}
+
+
+def _msgpack_bin_header(length: int) -> bytes:
+    """msgpack's `bin 8/16/32` marker and length, as msgpack writes them for bytes of `length`."""
+    if length < 2**8:
+        return b"\xc4" + length.to_bytes(1, "big")
+    if length < 2**16:
+        return b"\xc5" + length.to_bytes(2, "big")
+    if length < 2**32:
+        return b"\xc6" + length.to_bytes(4, "big")
+    raise CodecError(f"a tensor of {length} bytes is larger than msgpack's 4 GiB limit for one value")
+
+
+def parse_msgpack(body: bytes, object_hook=None) -> Any:
     """A msgpack body as plain values; tensor envelopes stay maps (request bodies carry none)."""
     try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, object_hook=object_hook)
+    except CodecError:
+        raise
     except (msgpack.UnpackException, ValueError, TypeError) as e:
         raise CodecError(f"body is not valid msgpack: {e}") from None
 
 
+def _decoded_if_envelope(value: dict) -> Any:
+    # Called by the parsers for every map, innermost first: no second walk over the tree.
+    return decode_tensor(value) if value.get(TENSOR_MARKER) is True else value
+
+
 def from_msgpack(body: bytes) -> Any:
-    return decode_tree(parse_msgpack(body))
+    return parse_msgpack(body, object_hook=_decoded_if_envelope)
 
 
 def to_json(value: Any) -> str:
     return json.dumps(TensorEncoder(binary=False).encode(value))
 
 
-def parse_json(body: str | bytes) -> Any:
+def parse_json(body: str | bytes, object_hook=None) -> Any:
     """A JSON body as plain values; tensor envelopes stay maps (request bodies carry none)."""
     try:
-        return json.loads(body)
+        return json.loads(body, object_hook=object_hook)
+    except CodecError:
+        raise
     except (ValueError, RecursionError) as e:
         raise CodecError(f"body is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def from_json(body: str | bytes) -> Any:
-    return decode_tree(parse_json(body))
+    return parse_json(body, object_hook=_decoded_if_envelope)

@@ -44,12 +44,48 @@ def test_envelope_round_trip_is_exact(tensor, binary):
     assert torch.equal(decoded, tensor)
 
 
-def test_envelope_data_is_a_safetensors_file_under_key_t():
-    from safetensors.torch import load
+@pytest.mark.parametrize("tensor", TENSORS, ids=lambda t: f"{t.dtype}{list(t.shape)}")
+def test_envelope_data_is_the_safetensors_librarys_own_bytes(tensor):
+    from safetensors.torch import load, save
 
-    tensor = torch.randn(2, 3)
-    loaded = load(encode_tensor(tensor)["data"])
+    data = encode_tensor(tensor)["data"]
+    assert data == save({"t": tensor.contiguous()})  # written here, byte for byte the library's
+    loaded = load(data)
     assert list(loaded) == ["t"] and torch.equal(loaded["t"], tensor)
+    with_metadata = save({"t": tensor.contiguous()}, metadata={"format": "pt"})
+    assert torch.equal(codec.tensor_from_safetensors(with_metadata), tensor)
+
+
+def test_decoded_tensors_own_their_memory():
+    data = encode_tensor(torch.arange(6.0))["data"]
+    decoded = codec.tensor_from_safetensors(data)
+    decoded += 1  # writable, and not a view of the immutable bytes it came from
+    assert torch.equal(codec.tensor_from_safetensors(data), torch.arange(6.0))
+
+
+def _file(header: bytes, data: bytes = b"", length: int | None = None) -> bytes:
+    return (len(header) if length is None else length).to_bytes(8, "little") + header + data
+
+
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        (b"\x01\x02", "too short"),
+        (_file(b"{}", length=2**40), "out of range"),
+        (_file(b"[1, 2]"), "not a map"),
+        (_file(b"\xff\xfe"), "bad header"),
+        (_file(b'{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', b"\0" * 4), "4 data bytes"),
+        (_file(b'{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', b"\0" * 12), "12 data bytes"),
+        (_file(b'{"t":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}', b"\0" * 8), "offsets"),
+        (_file(b'{"t":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}}', b"\0" * 8), "bad entry"),
+        (_file(b'{"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}', b"\0" * 4), "bad entry"),
+        (_file(b'{"t":{"dtype":"F32","shape":"1","data_offsets":[0,4]}}', b"\0" * 4), "bad entry"),
+        (_file(b'{"t":[1]}'), "bad entry"),
+    ],
+)
+def test_malformed_safetensors_files_raise_codec_error(data, match):
+    with pytest.raises(CodecError, match=match):
+        codec.tensor_from_safetensors(data)
 
 
 @pytest.mark.parametrize("to_wire,from_wire", [(to_msgpack, from_msgpack), (to_json, from_json)])
@@ -61,13 +97,22 @@ def test_nested_bodies_round_trip(to_wire, from_wire):
     assert torch.equal(decoded[0]["trajectory"]["sigmas"], TENSORS[1])
 
 
+def test_msgpack_bodies_are_msgpacks_own_bytes():
+    shared = torch.linspace(1, 0, 5)
+    body = [
+        {"prompt": "7", "seed": 3, "none": None, "ratio": 0.5, "ok": True, "tensors": TENSORS, "sigmas": shared},
+        {"sizes": (1, 2), "big": torch.randn(3, 40000), "medium": torch.randn(100), "sigmas": shared, "nested": {}},
+    ]
+    assert to_msgpack(body) == msgpack.packb(TensorEncoder().encode(body), use_bin_type=True)
+
+
 @pytest.mark.parametrize("binary", [True, False])
 def test_a_shared_tensor_is_encoded_once(monkeypatch, binary):
     sigmas = torch.linspace(1, 0, 5)  # length 5 == number of rows, which must not matter
     rows = [{"log_probs": torch.randn(4), "sigmas": sigmas} for _ in range(5)]
     calls = []
-    original = codec.save_safetensors
-    monkeypatch.setattr(codec, "save_safetensors", lambda tensors: calls.append(1) or original(tensors))
+    original = codec.safetensors_bytes
+    monkeypatch.setattr(codec, "safetensors_bytes", lambda tensor: calls.append(1) or original(tensor))
 
     encoded = TensorEncoder(binary=binary).encode(rows)
 
