@@ -76,9 +76,11 @@ class RolloutAppConfig(BaseModel):
     )
     ingress_num_cpus: float = Field(0.25, gt=0, description="CPUs the ingress replica reserves.")
     max_batch_size: int = Field(32, ge=1, description="Most samples in one sampler call on a worker.")
-    # Serve forms a worker's next batch while the current one runs, so this wait, not the run,
-    # is what lets concurrent requests meet (docs/benchmarks.md).
-    batch_wait_timeout_s: float = Field(0.05, ge=0, description="How long a worker waits to fill a batch.")
+    # A busy worker takes everything waiting as soon as it frees up (deployments/batching.py);
+    # this wait only lets requests sent together reach an idle worker together.
+    batch_wait_timeout_s: float = Field(
+        0.25, ge=0, description="How long an idle worker waits for concurrent work to fill its micro-batches."
+    )
     limits: RequestLimits = Field(default_factory=RequestLimits)
     request_validation: RequestValidation = Field(
         "strict",

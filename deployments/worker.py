@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -14,13 +13,14 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.batching import SamplingQueue
 from deployments.config import RolloutAppConfig
 from deployments.weights import WeightFollower
 from rollout.api import SamplingWork
 from rollout.errors import InvalidRequestError, RolloutError
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
-from rollout.sampler import resolve_options, sample
+from rollout.sampler import micro_batch_size, resolve_options, sample
 from rollout.trajectory import RolloutBatch
 
 logger = logging.getLogger("ray.serve")
@@ -57,11 +57,6 @@ def _sample_measured(pipeline: RolloutPipeline, *args, **kwargs) -> tuple[Rollou
     return batch, torch.cuda.max_memory_allocated(device) / 2**20
 
 
-def _count_samples(works: list[SamplingWork]) -> int:
-    # Must never raise: Serve hangs the replica if it does.
-    return sum(len(getattr(work, "seeds", ())) for work in works)
-
-
 @serve.deployment
 class RolloutWorker:
     async def __init__(self, config: RolloutAppConfig, coordinator: DeploymentHandle):
@@ -83,14 +78,19 @@ class RolloutWorker:
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
-        self._sample_batched.set_max_batch_size(config.max_batch_size)
-        self._sample_batched.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+        self._queue = SamplingQueue(
+            self._sample_on_thread,
+            lambda options: micro_batch_size(self.pipeline, resolve_options(self.pipeline, options)),
+            config.max_batch_size,
+            config.batch_wait_timeout_s,
+        )
         self.weights = WeightFollower(
             coordinator, self.replica, self.pipeline, config.weight_version, self._on_sampling_thread
         )
         await self.weights.start()
 
     async def __del__(self):
+        self._queue.stop()
         await self.weights.stop()
 
     async def _on_sampling_thread(self, fn, *args):
@@ -119,24 +119,10 @@ class RolloutWorker:
         self.pipeline.check_prompts(work.prompts, work.negative_prompts)
         options = resolve_options(self.pipeline, work.options)
         self.pipeline.latent_shape(options.height, options.width)
-        result = await self._sample_batched(work)
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return await self._queue.submit(work)
 
-    # The size and wait given here are replaced from the config in __init__.
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.05, batch_size_fn=_count_samples)
-    async def _sample_batched(self, works: list[SamplingWork]) -> list[WorkerResult | Exception]:
-        # Only work with equal options (steps, size, transition, filters) shares a sampler call.
-        groups: dict = defaultdict(list)
-        for position, work in enumerate(works):
-            groups[work.options].append(position)
-        results: list[WorkerResult | Exception] = [None] * len(works)  # type: ignore[list-item]
-        for positions in groups.values():
-            group_results = await self._on_sampling_thread(self._sample_group, [works[p] for p in positions])
-            for p, result in zip(positions, group_results):
-                results[p] = result
-        return results
+    async def _sample_on_thread(self, works: list[SamplingWork]) -> list[WorkerResult | Exception]:
+        return await self._on_sampling_thread(self._sample_group, works)
 
     def _sample_group(self, works: list[SamplingWork]) -> list[WorkerResult | Exception]:
         """On the sampling thread: the works this replica can serve now, in one sampler call.

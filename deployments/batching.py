@@ -1,0 +1,122 @@
+"""A worker's queue of sampling work: whenever the sampler frees up, it takes everything that waits.
+
+Serve's `@serve.batch` forms the next batch on a timer while the current one runs, so concurrent
+one-sample requests (how SGLang clients send) were split over several small sampler calls, each
+padded to the micro-batch. Here the sampler takes, each time it is free, all waiting work with
+the same options up to the batch limit, oldest first. An idle sampler waits (at most `wait_s`)
+only while the work it would take leaves rows of its last micro-batch empty: the transformer
+runs on fixed-size micro-batches, so a call of 2 samples costs as much as one of 8, and
+concurrent requests that arrive a few milliseconds apart should fill those rows.
+
+Any grouping is safe: the sampler is batch invariant (fixed-size micro-batches, per-sample
+generators), so a sample's bits do not depend on which requests it was sampled with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from rollout.api import SamplingWork
+from rollout.options import SamplingOptions
+
+
+@dataclass
+class _Waiting:
+    work: SamplingWork
+    result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class SamplingQueue:
+    """Runs `run_group` on groups of works with equal options, one group at a time.
+
+    Args:
+        run_group: samples a group of works in one sampler call; one result (or exception) per work.
+        micro_batch_size: samples per transformer call for works with given options.
+        max_samples: most samples per group (a single larger work is refused before it gets here).
+        wait_s: how long an idle sampler waits for work to fill its micro-batches.
+    """
+
+    def __init__(
+        self,
+        run_group: Callable[[list[SamplingWork]], Awaitable[list[Any]]],
+        micro_batch_size: Callable[[SamplingOptions], int],
+        max_samples: int,
+        wait_s: float,
+    ):
+        self._run_group = run_group
+        self._micro_batch_size = micro_batch_size
+        self.max_samples = max_samples
+        self.wait_s = wait_s
+        self._waiting: list[_Waiting] = []
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def submit(self, work: SamplingWork) -> Any:
+        """The work's result, once a sampler call has run it; raises what that call raised for it."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._serve())
+        waiting = _Waiting(work)
+        self._waiting.append(waiting)
+        self._arrived.set()
+        return await waiting.result
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def _fills_its_micro_batches(self) -> bool:
+        """Whether the group the sampler would take now leaves no row of a micro-batch empty."""
+        options = self._waiting[0].work.options
+        samples = sum(len(w.work) for w in self._waiting if w.work.options == options)
+        return samples >= self.max_samples or samples % self._micro_batch_size(options) == 0
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        idle = True
+        while True:
+            if not self._waiting:
+                self._arrived.clear()
+                await self._arrived.wait()
+                idle = True
+            if idle:  # give work sent together a moment to arrive together
+                deadline = loop.time() + self.wait_s
+                while not self._fills_its_micro_batches() and loop.time() < deadline:
+                    self._arrived.clear()
+                    try:
+                        await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
+                    except asyncio.TimeoutError:
+                        break
+            group = self._take_group()
+            if not group:
+                continue
+            idle = False
+            try:
+                results = await self._run_group([w.work for w in group])
+            except Exception as error:  # the group's requests fail; the queue goes on
+                results = [error] * len(group)
+            for waiting, result in zip(group, results):
+                if waiting.result.done():  # the request was cancelled meanwhile
+                    continue
+                if isinstance(result, BaseException):
+                    waiting.result.set_exception(result)
+                else:
+                    waiting.result.set_result(result)
+
+    def _take_group(self) -> list[_Waiting]:
+        """The oldest waiting work and all later work with its options, up to `max_samples`."""
+        self._waiting = [w for w in self._waiting if not w.result.done()]  # drop cancelled requests
+        if not self._waiting:
+            return []
+        options = self._waiting[0].work.options
+        group, rest, samples = [], [], 0
+        for waiting in self._waiting:
+            fits = samples + len(waiting.work) <= self.max_samples or not group
+            if waiting.work.options == options and fits:
+                group.append(waiting)
+                samples += len(waiting.work)
+            else:
+                rest.append(waiting)
+        self._waiting = rest
+        return group

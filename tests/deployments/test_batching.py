@@ -1,0 +1,127 @@
+"""The worker's sampling queue, without Ray: which works share a sampler call."""
+
+import asyncio
+
+import pytest
+
+from deployments.batching import SamplingQueue
+from rollout.api import SamplingWork
+from rollout.options import SamplingOptions
+
+FOUR_STEPS, SIX_STEPS = SamplingOptions(num_inference_steps=4), SamplingOptions(num_inference_steps=6)
+
+
+def work(samples: int = 1, options: SamplingOptions = FOUR_STEPS) -> SamplingWork:
+    return SamplingWork(("1",) * samples, ("",) * samples, tuple(range(samples)), options)
+
+
+class Sampler:
+    """Records each call's works; takes `seconds` per call; fails calls with `fail_steps` steps."""
+
+    def __init__(self, seconds: float = 0.05, fail_steps: int | None = None):
+        self.calls: list[list[SamplingWork]] = []
+        self.seconds = seconds
+        self.fail_steps = fail_steps
+
+    async def __call__(self, works):
+        self.calls.append(works)
+        await asyncio.sleep(self.seconds)
+        if works[0].options.num_inference_steps == self.fail_steps:
+            raise RuntimeError("sampler failed")
+        return [f"result of {id(w)}" for w in works]
+
+    def sizes(self) -> list[int]:
+        return [sum(len(w) for w in works) for works in self.calls]
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, timeout=30))
+
+
+def test_requests_sent_together_share_one_call():
+    async def scenario():
+        sampler = Sampler()
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=0.05)
+        works = [work() for _ in range(16)]
+        results = await asyncio.gather(*(queue.submit(w) for w in works))
+        assert results == [f"result of {id(w)}" for w in works]  # each request gets its own
+        return sampler.sizes()
+
+    assert run(scenario()) == [16]
+
+
+def test_a_busy_sampler_takes_everything_that_waits_when_it_frees_up():
+    async def scenario():
+        sampler = Sampler(seconds=0.2)
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=0.0)
+        first = asyncio.create_task(queue.submit(work()))
+        await asyncio.sleep(0.05)  # the first call is running
+        later = []
+        for _ in range(12):  # arriving over 0.12 s, longer than any batching timer
+            later.append(asyncio.create_task(queue.submit(work())))
+            await asyncio.sleep(0.01)
+        await asyncio.gather(first, *later)
+        return sampler.sizes()
+
+    assert run(scenario()) == [1, 12]
+
+
+def test_calls_keep_to_the_limit_and_to_equal_options_oldest_first():
+    async def scenario():
+        sampler = Sampler()
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.05)
+        works = [work(3), work(1, SIX_STEPS), work(3), work(3), work(2, SIX_STEPS)]
+        await asyncio.gather(*(queue.submit(w) for w in works))
+        positions = {id(w): i for i, w in enumerate(works)}
+        return [[positions[id(w)] for w in call] for call in sampler.calls]
+
+    assert run(scenario()) == [[0, 2], [1, 4], [3]]
+
+
+def test_a_failed_call_fails_its_requests_only_and_the_queue_goes_on():
+    async def scenario():
+        sampler = Sampler(fail_steps=6)
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.05)
+        results = await asyncio.gather(
+            queue.submit(work(1, SIX_STEPS)), queue.submit(work(1)), return_exceptions=True
+        )
+        assert isinstance(results[0], RuntimeError) and results[1].startswith("result of")
+        assert (await queue.submit(work(1))).startswith("result of")
+
+    run(scenario())
+
+
+def test_a_cancelled_request_is_not_sampled():
+    async def scenario():
+        sampler = Sampler(seconds=0.1)
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.0)
+        running = asyncio.create_task(queue.submit(work(1)))
+        await asyncio.sleep(0.03)
+        cancelled = asyncio.create_task(queue.submit(work(2)))
+        kept = asyncio.create_task(queue.submit(work(3)))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        await asyncio.gather(running, kept)
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        return sampler.sizes()
+
+    assert run(scenario()) == [1, 3]
+
+
+def test_an_idle_sampler_waits_to_fill_its_micro_batch_not_longer():
+    async def scenario():
+        sampler = Sampler()
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=0.5)
+        started = asyncio.get_running_loop().time()
+        tasks = []
+        for _ in range(4):  # one micro-batch's worth, arriving 20 ms apart
+            tasks.append(asyncio.create_task(queue.submit(work())))
+            await asyncio.sleep(0.02)
+        await asyncio.gather(*tasks)
+        full = asyncio.get_running_loop().time() - started
+        await queue.submit(work(4))  # a full micro-batch starts at once
+        return sampler.sizes(), full
+
+    sizes, seconds = run(scenario())
+    assert sizes == [4, 4] and seconds < 0.4  # started when the 4th arrived, not after wait_s
