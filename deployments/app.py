@@ -39,5 +39,8 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
         max_replicas_per_node=config.worker_max_replicas_per_node,
         ray_actor_options={"num_cpus": config.worker_num_cpus, "num_gpus": _worker_gpus(config)},
     ).bind(config, coordinator)
-    ingress = RolloutIngress.options(ray_actor_options={"num_cpus": config.ingress_num_cpus})
+    ingress = RolloutIngress.options(
+        max_ongoing_requests=config.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+    )
     return ingress.bind(worker, coordinator, config)

@@ -75,6 +75,12 @@ class RolloutAppConfig(BaseModel):
         None, ge=1, description="Most worker replicas on one node (1 spreads them over the nodes); None: no limit."
     )
     ingress_num_cpus: float = Field(0.25, gt=0, description="CPUs the ingress replica reserves.")
+    # The ingress only plans requests and awaits the workers, so it takes many at once: Serve's
+    # default of 5 queued concurrent one-sample requests behind each other, so they reached the
+    # workers in waves and could not share sampler calls.
+    ingress_max_ongoing_requests: int = Field(
+        256, ge=1, description="Requests the ingress replica handles at once (Serve's max_ongoing_requests)."
+    )
     max_batch_size: int = Field(32, ge=1, description="Most samples in one sampler call on a worker.")
     # A busy worker takes everything waiting as soon as it frees up (deployments/batching.py);
     # this wait only lets requests sent together reach an idle worker together.
