@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
+import diffusers
 import numpy as np
 import torch
 from torch import nn
@@ -101,9 +102,7 @@ class DiffusersFamily:
                 "model.name",
                 f"{path} holds a {index['_class_name']}, not the {cls.diffusers_pipeline} of model {cls.name!r}",
             )
-        import diffusers
-
-        pipeline_class = getattr(diffusers, cls.diffusers_pipeline)
+        pipeline_class = getattr(diffusers, cls.diffusers_pipeline)  # imports transformers, on first use
         try:
             pipe = pipeline_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
         except (OSError, ValueError, KeyError) as error:
