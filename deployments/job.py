@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
             rollout_sde_type=args.sde_type,
             rollout_noise_level=args.noise_level,
             rollout_debug_mode=False,  # the shards keep no debug tensors
+            rollout_return_dit_trajectory=True,  # but every latent
             seed=args.seed + start * args.num_outputs_per_prompt,
         )
         for start in range(0, len(prompts), per_request)

@@ -299,9 +299,12 @@ def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str
         guidance_scale=request.guidance_scale,
         true_cfg_scale=request.true_cfg_scale,
     )
-    if not request.rollout:  # evaluation: the deterministic sampler, keeping only the final latent
-        options = SamplingOptions(**common, sde_type=TransitionKind.ODE, return_step_indices=[steps])
+    if not request.rollout:  # evaluation: the deterministic sampler, images only
+        options = SamplingOptions(**common, sde_type=TransitionKind.ODE, return_step_indices=())
         return RolloutPlan(request_id or secrets.token_hex(8), request, seed, options)
+    # Latents travel only when asked for (the trajectory, or chosen steps of it): a worker's result
+    # carries what the response uses.
+    asked_for_latents = request.rollout_return_dit_trajectory or request.rollout_return_step_indices is not None
     squared_error = request.rollout_log_prob_no_const
     form = LogProbForm.SQUARED_ERROR if squared_error else LogProbForm.GAUSSIAN
     options = SamplingOptions(
@@ -310,7 +313,7 @@ def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str
         noise_level=request.rollout_noise_level,
         log_prob_form=form if request.rollout_log_prob_form is None else request.rollout_log_prob_form,
         sde_step_indices=request.rollout_sde_step_indices,
-        return_step_indices=request.rollout_return_step_indices,
+        return_step_indices=request.rollout_return_step_indices if asked_for_latents else (),
         debug=request.rollout_debug_mode,
         return_denoising_env=request.rollout_return_denoising_env,
     )

@@ -65,6 +65,12 @@ def replay_log_probs(
             when returned, otherwise the prompts are encoded again.
     """
     steps = replayable_steps(_kept_steps(samples))
+    if not steps:
+        raise InvalidRequestError(
+            "samples",
+            "no step can be replayed: the samples keep no latents x_i and x_(i+1) of one step; ask the "
+            "rollout for them (rollout_return_dit_trajectory, or rollout_return_step_indices)",
+        )
     log_probs = transition_log_probs(pipeline, schedule, options, samples, steps).cpu()
     return ReplayedLogProbs(step_indices=torch.tensor(steps, dtype=torch.int64), log_probs=log_probs)
 

@@ -3,6 +3,7 @@ import copy
 import pytest
 import torch
 
+from rollout.errors import InvalidRequestError
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs, replayable_steps
 from rollout.sampler import sample
@@ -58,6 +59,13 @@ def test_replay_with_other_weights_differs(random_pipeline):
 def test_replayable_steps_need_both_ends():
     assert replayable_steps(torch.tensor([0, 1, 2, 4, 5])) == [0, 1, 4]
     assert replayable_steps(torch.tensor([0, 2, 4])) == []
+
+
+def test_replaying_samples_without_latents_says_how_to_get_them(random_pipeline):
+    options = SamplingOptions(num_inference_steps=3, return_step_indices=())
+    batch = sample(random_pipeline, ["1"], [0], options)
+    with pytest.raises(InvalidRequestError, match="rollout_return_dit_trajectory"):
+        replay_log_probs(random_pipeline, batch.schedule, batch.options, batch.samples)
 
 
 @pytest.mark.parametrize("rebuild_dtype", [torch.float32, torch.bfloat16])

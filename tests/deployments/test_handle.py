@@ -73,7 +73,8 @@ def test_concurrent_requests_are_batched(handle):
 
 
 def test_on_policy_replay_of_a_served_rollout_is_exact(handle):
-    result = handle.generate.remote({"prompt": ["3", "8"], "num_outputs_per_prompt": 2, "num_inference_steps": 5}).result()
+    body = {"prompt": ["3", "8"], "num_outputs_per_prompt": 2, "num_inference_steps": 5, "rollout_return_dit_trajectory": True}
+    result = handle.generate.remote(body).result()
     batch = result.batch()
     trainer_model = load_pipeline()  # the trainer's own copy of the served weights
     replayed = replay_log_probs(trainer_model, batch.schedule, batch.options, batch.samples)
@@ -116,6 +117,8 @@ def test_unknown_prompts_raise_when_the_parts_are_fetched(handle):
 
 def test_sampling_options_match_the_library(handle):
     batch = handle.generate.remote({"prompt": "2", "num_inference_steps": 4, "rollout_sde_type": "cps"}).result().batch()
-    # SGLang's defaults: rollout_debug_mode is on unless a request turns it off.
+    # SGLang's defaults: rollout_debug_mode is on unless a request turns it off, and latents
+    # travel only when the trajectory is asked for.
     expected = dict(num_inference_steps=4, height=16, width=16, guidance_scale=2.0, sde_type="cps", debug=True)
-    assert batch.options == SamplingOptions(**expected)
+    assert batch.options == SamplingOptions(**expected, return_step_indices=())
+    assert batch.samples[0].latents.shape == (0, 1, 16, 16)

@@ -94,7 +94,8 @@ def test_http_rollouts_are_the_librarys(family_apps, family, http):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_handle_rollouts_replay_exactly(family_apps, family):
     handle, _, local = family_apps[family]
-    body = {"prompt": ["a cat", "a dog"], "num_outputs_per_prompt": 2, "num_inference_steps": 3, "height": 32, "width": 32}
+    body = {"prompt": ["a cat", "a dog"], "num_outputs_per_prompt": 2, "num_inference_steps": 3, "height": 32, "width": 32,
+            "rollout_return_dit_trajectory": True}  # fmt: skip
     batch = handle.generate.remote({**body, **GUIDANCE[family], "rollout_debug_mode": False}).result().batch()
     assert all(s.schedule is batch.schedule for s in batch.samples)
     replayed = replay_log_probs(local, batch.schedule, batch.options, batch.samples)

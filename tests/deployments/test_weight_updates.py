@@ -74,7 +74,7 @@ def served(app):
 
 
 def rollout(app, body):
-    result = app.handle.generate.remote(body).result()
+    result = app.handle.generate.remote({"rollout_return_dit_trajectory": True, **body}).result()
     return result.worker_results(), result.batch()
 
 
