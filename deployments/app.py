@@ -1,8 +1,9 @@
-"""Builds the Serve application: `serve run deployments.app:build_app` serves the embedded model.
+"""Builds the Serve application: `serve run --name rollout deployments.app:build_app` serves the
+embedded model as the application "rollout" (without --name, Serve names it "default").
 
-    serve run deployments.app:build_app                       # embedded model, 127.0.0.1:8000
-    serve run deployments.app:build_app num_worker_replicas=1 # Serve passes key=value args
-    serve run deployments/serve_config.yaml                   # the same, from a config file
+    serve run --name rollout deployments.app:build_app                         # 127.0.0.1:8000
+    serve run --name rollout deployments.app:build_app num_worker_replicas=1   # key=value args
+    serve run deployments/serve_config.yaml                                    # from a config file
 """
 
 from __future__ import annotations
