@@ -92,6 +92,30 @@ def _map_tensors(parts: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tenso
     return {name: over(value) for name, value in parts.items()}
 
 
+def cfg_scale(options: SamplingOptions) -> float:
+    """The weight of a model whose only guidance is classifier-free guidance: SGLang's
+    `true_cfg_scale` when given (diffusers' FLUX.1 and Qwen-Image read it as the CFG weight),
+    else `guidance_scale`."""
+    return options.guidance_scale if options.true_cfg_scale is None else options.true_cfg_scale
+
+
+def batched_cfg_velocity(
+    run: Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor],
+    x_t: torch.Tensor,
+    timestep: torch.Tensor,
+    conditioning: Conditioning,
+    scale: float,
+) -> torch.Tensor:
+    """Classifier-free guidance with both branches in one model call on rows [negative; positive],
+    as diffusers' SD3 pipeline runs it; `run(x, timestep, kwargs)` is the model's fp32 output."""
+    if conditioning.neg_cond_kwargs is None:
+        raise ValueError("classifier-free guidance needs the negative branch's conditioning (neg_cond_kwargs)")
+    negative, positive = conditioning.neg_cond_kwargs, conditioning.pos_cond_kwargs
+    both = {name: torch.cat([negative[name], positive[name]]) for name in positive}
+    v_uncond, v_cond = run(torch.cat([x_t, x_t]), torch.cat([timestep, timestep]), both).chunk(2)
+    return v_uncond + scale * (v_cond - v_uncond)
+
+
 @dataclass(frozen=True)
 class MicroBatching:
     """How many samples the transformer takes per call, per image size.

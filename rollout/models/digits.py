@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rollout.errors import InvalidRequestError, UnknownPromptError
-from rollout.models.base import Conditioning, MicroBatching
+from rollout.models.base import Conditioning, MicroBatching, batched_cfg_velocity, cfg_scale
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
 
@@ -204,21 +204,13 @@ class DigitFlowPipeline:
     def check_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> None:
         self._class_ids(prompts, negative_prompts)
 
-    def cfg_scale(self, options: SamplingOptions) -> float:
-        """The classifier-free guidance weight: `true_cfg_scale` when given, else `guidance_scale`.
-
-        This model's only guidance is classifier-free guidance, so it reads SGLang's
-        `true_cfg_scale` as diffusers' FLUX.1 and Qwen-Image pipelines do: the CFG weight.
-        """
-        return options.guidance_scale if options.true_cfg_scale is None else options.true_cfg_scale
-
     def encode_prompts(
         self, prompts: Sequence[str], negative_prompts: Sequence[str], options: SamplingOptions
     ) -> Conditioning:
         positive_ids, negative_ids = self._class_ids(prompts, negative_prompts)
         with torch.no_grad():
             positive = self._transformer_kwargs(positive_ids)
-            negative = self._transformer_kwargs(negative_ids) if self.cfg_scale(options) != 1.0 else None
+            negative = self._transformer_kwargs(negative_ids) if cfg_scale(options) != 1.0 else None
         return Conditioning(pos_cond_kwargs=positive, neg_cond_kwargs=negative)
 
     def _transformer_kwargs(self, class_ids: list[int]) -> dict[str, torch.Tensor]:
@@ -228,16 +220,10 @@ class DigitFlowPipeline:
     def predict_velocity(
         self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, options: SamplingOptions
     ) -> torch.Tensor:
-        scale = self.cfg_scale(options)
+        scale = cfg_scale(options)
         if scale == 1.0:
             return self._velocity(x_t, timestep, conditioning.pos_cond_kwargs)
-        if conditioning.neg_cond_kwargs is None:
-            raise ValueError("classifier-free guidance needs the negative branch's conditioning (neg_cond_kwargs)")
-        # One transformer call for both branches: rows [negative; positive].
-        negative, positive = conditioning.neg_cond_kwargs, conditioning.pos_cond_kwargs
-        both = {name: torch.cat([negative[name], positive[name]]) for name in positive}
-        v_uncond, v_cond = self._velocity(torch.cat([x_t, x_t]), torch.cat([timestep, timestep]), both).chunk(2)
-        return v_uncond + scale * (v_cond - v_uncond)
+        return batched_cfg_velocity(self._velocity, x_t, timestep, conditioning, scale)
 
     def _velocity(self, x_t: torch.Tensor, timestep: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
         output = self.transformer(hidden_states=x_t.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)

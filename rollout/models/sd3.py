@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rollout.models.base import Conditioning
+from rollout.models.base import Conditioning, batched_cfg_velocity, cfg_scale
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 
@@ -39,24 +39,16 @@ class StableDiffusion3Family(DiffusersFamily):
         )
         return {"encoder_hidden_states": prompt_embeds, "pooled_projections": pooled}
 
-    @staticmethod
-    def cfg_scale(options: SamplingOptions) -> float:
-        """Classifier-free guidance is SD3's only guidance, so SGLang's `true_cfg_scale`, when
-        given, is its weight (as with the embedded model); otherwise `guidance_scale`."""
-        return options.guidance_scale if options.true_cfg_scale is None else options.true_cfg_scale
-
     def uses_negative_branch(self, options: SamplingOptions) -> bool:
-        return self.cfg_scale(options) > 1  # the pipeline's `do_classifier_free_guidance`
+        # The pipeline's `do_classifier_free_guidance`. CFG is SD3's only guidance, so SGLang's
+        # `true_cfg_scale`, when given, is its weight (as with the embedded model).
+        return cfg_scale(options) > 1
 
     def predict_velocity(
         self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, options: SamplingOptions
     ) -> torch.Tensor:
-        positive = conditioning.pos_cond_kwargs
         if not self.uses_negative_branch(options):
-            return self.run_transformer(x_t, timestep, **positive)
-        if conditioning.neg_cond_kwargs is None:
-            raise ValueError("classifier-free guidance needs the negative branch's conditioning (neg_cond_kwargs)")
-        negative = conditioning.neg_cond_kwargs
-        both = {name: torch.cat([negative[name], positive[name]]) for name in positive}
-        v_uncond, v_cond = self.run_transformer(torch.cat([x_t, x_t]), torch.cat([timestep, timestep]), **both).chunk(2)
-        return v_uncond + self.cfg_scale(options) * (v_cond - v_uncond)
+            return self.run_transformer(x_t, timestep, **conditioning.pos_cond_kwargs)
+        return batched_cfg_velocity(
+            lambda x, t, kwargs: self.run_transformer(x, t, **kwargs), x_t, timestep, conditioning, cfg_scale(options)
+        )
