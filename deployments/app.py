@@ -13,9 +13,11 @@ from typing import Any
 import ray
 import torch
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from deployments.config import RolloutAppConfig
 from deployments.ingress import RolloutIngress
+from deployments.routing import FewestSamplesRouter
 from deployments.weights import WeightCoordinator
 from deployments.worker import RolloutWorker
 
@@ -38,6 +40,7 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
         num_replicas=config.num_worker_replicas,
         max_ongoing_requests=config.max_ongoing_requests_per_worker(),
         max_replicas_per_node=config.worker_max_replicas_per_node,
+        request_router_config=RequestRouterConfig(request_router_class=FewestSamplesRouter),
         ray_actor_options={"num_cpus": config.worker_num_cpus, "num_gpus": _worker_gpus(config)},
     ).bind(config, coordinator)
     ingress = RolloutIngress.options(

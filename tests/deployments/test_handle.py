@@ -1,6 +1,7 @@
 """The deployment-handle API, as an RL loop inside the cluster uses it."""
 
 import asyncio
+from collections import Counter
 import dataclasses
 
 import pytest
@@ -70,6 +71,9 @@ def test_concurrent_requests_are_batched(handle):
     # 16 one-sample requests took far fewer than 16 sampler calls.
     calls = sum(1 / size for size in sizes)
     assert calls <= 8, sizes
+    # The router counts samples, so the burst is split evenly, as one 16-sample request is.
+    per_replica = Counter(part.replica for part in parts)
+    assert sorted(per_replica.values()) == [8, 8], per_replica
 
 
 def test_on_policy_replay_of_a_served_rollout_is_exact(handle):
