@@ -5,14 +5,21 @@ Per-sample data (latents, log-probs, seed, image) lives in `SampleTrajectory`; p
 tensor's shape which kind it holds. Each sample refers to its request's one `ScheduleSnapshot`
 object; pickling keeps that sharing, so the schedule crosses a process boundary once and the
 samples still refer to one object on the other side.
+
+A batch crosses a process boundary with each tensor field stacked over its samples into one
+numpy array: Ray's object store carries numpy buffers out of band, so the receiver maps them
+without a copy, and the samples' tensors are views of them (read-only in spirit: they share
+the object store's memory; `clone()` a tensor before changing it in place).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from rollout.options import SamplingOptions
@@ -69,6 +76,11 @@ class SampleTrajectory:
     debug: StepDebug | None = None
     denoising_env: dict[str, Any] | None = None
 
+    def __reduce__(self):
+        # A sample unpacked from a batch holds views of the batch's stacked buffers; pickled on
+        # its own, a view would carry the whole buffer along.
+        return _sample, (_plain_fields(self), {name: _compact(t) for name, t in _tensor_fields(self).items()})
+
 
 @dataclass(frozen=True)
 class RolloutBatch:
@@ -81,6 +93,9 @@ class RolloutBatch:
     def __post_init__(self):
         if any(s.schedule is not self.schedule for s in self.samples):
             raise ValueError("every sample of a batch must refer to the batch's schedule object")
+
+    def __reduce__(self):
+        return _unpacked_batch, (self.schedule, self.options, [_plain_fields(s) for s in self.samples], _stacked(self.samples))
 
     def subset(self, indices: Sequence[int]) -> "RolloutBatch":
         """The samples at `indices`, sharing this batch's schedule."""
@@ -105,3 +120,67 @@ class RolloutBatch:
             for sample in part.samples
         ]
         return cls(first.schedule, first.options, samples)
+
+
+_TENSOR_FIELDS = ("image", "final_latents", "log_probs", "latents", "latent_step_indices")
+_DEBUG_FIELDS = tuple(f.name for f in dataclasses.fields(StepDebug))
+
+
+def _tensor_fields(sample: SampleTrajectory) -> dict[str, torch.Tensor]:
+    tensors = {name: getattr(sample, name) for name in _TENSOR_FIELDS}
+    if sample.debug is not None:
+        tensors.update({f"debug.{name}": getattr(sample.debug, name) for name in _DEBUG_FIELDS})
+    return tensors
+
+
+def _plain_fields(sample: SampleTrajectory) -> dict[str, Any]:
+    return {
+        f.name: getattr(sample, f.name)
+        for f in dataclasses.fields(SampleTrajectory)
+        if f.name not in _TENSOR_FIELDS and f.name != "debug"
+    }
+
+
+def _sample(plain: dict[str, Any], tensors: dict[str, torch.Tensor]) -> SampleTrajectory:
+    debug = None
+    if "debug.model_outputs" in tensors:
+        debug = StepDebug(**{name: tensors[f"debug.{name}"] for name in _DEBUG_FIELDS})
+    return SampleTrajectory(**plain, **{name: tensors[name] for name in _TENSOR_FIELDS}, debug=debug)
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
+
+
+def _stacked(samples: Sequence[SampleTrajectory]) -> dict[str, np.ndarray | list[torch.Tensor]]:
+    """Each tensor field over the samples: one numpy array where shapes and dtypes agree (numpy
+    has the dtype), else the samples' own tensors."""
+    per_sample = [_tensor_fields(s) for s in samples]
+    stacked: dict[str, np.ndarray | list[torch.Tensor]] = {}
+    for name in per_sample[0] if per_sample else ():
+        tensors = [tensors[name] for tensors in per_sample]
+        first = tensors[0]
+        if first.dtype != torch.bfloat16 and all(t.shape == first.shape and t.dtype == first.dtype for t in tensors):
+            stacked[name] = torch.stack(tensors).numpy()
+        else:
+            stacked[name] = [_compact(t) for t in tensors]
+    return stacked
+
+
+def _unpacked_batch(
+    schedule: ScheduleSnapshot,
+    options: SamplingOptions,
+    plain: list[dict[str, Any]],
+    stacked: dict[str, np.ndarray | list[torch.Tensor]],
+) -> RolloutBatch:
+    columns = {}
+    with warnings.catch_warnings():
+        # Ray hands numpy buffers out of the object store read-only; torch cannot mark a tensor so.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, value in stacked.items():
+            columns[name] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    samples = [
+        _sample({**fields, "schedule": schedule}, {name: column[i] for name, column in columns.items()})
+        for i, fields in enumerate(plain)
+    ]
+    return RolloutBatch(schedule, options, samples)

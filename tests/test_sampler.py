@@ -256,6 +256,48 @@ def test_samples_share_one_schedule_object_across_pickling(random_pipeline):
     assert len(pickle.dumps(many)) < len(pickle.dumps(one)) + 7 * per_sample + schedule_size // 2
 
 
+def test_a_pickled_batch_carries_each_field_as_one_stacked_buffer(random_pipeline):
+    import pickle
+
+    batch = run(random_pipeline, PROMPTS[:4], [5, 6, 7, 8], num_inference_steps=5, debug=True, return_denoising_env=True)
+    restored = pickle.loads(pickle.dumps(batch, protocol=5))
+    for original, copy in zip(batch.samples, restored.samples):
+        assert_same_sample(original, copy)
+        assert (copy.prompt, copy.seed, copy.weight_version) == (original.prompt, original.seed, original.weight_version)
+        assert torch.equal(copy.denoising_env["pos_cond_kwargs"]["encoder_hidden_states"],
+                           original.denoising_env["pos_cond_kwargs"]["encoder_hidden_states"])
+    # One buffer per field, shared by the samples' views: what Ray maps without a copy.
+    latents = [s.latents for s in restored.samples]
+    assert len({t.untyped_storage().data_ptr() for t in latents}) == 1
+    buffers = []
+    pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 9  # 5 sample fields + 4 debug fields, out of band
+
+
+def test_a_sample_unpacked_from_a_batch_pickles_alone_without_the_batch(random_pipeline):
+    import pickle
+
+    batch = run(random_pipeline, ["3"] * 8, list(range(8)), num_inference_steps=5)
+    one = pickle.loads(pickle.dumps(batch)).samples[3]
+    alone = pickle.dumps(one)
+    assert len(alone) < len(pickle.dumps(batch)) / 4
+    assert_same_sample(pickle.loads(alone), batch.samples[3])
+
+
+def test_samples_that_cannot_stack_cross_pickling_as_they_are(random_pipeline):
+    import pickle
+
+    a = run(random_pipeline, ["3"], [1], num_inference_steps=4)
+    b = run(random_pipeline, ["4"], [2], num_inference_steps=4, return_step_indices=(4,))
+    mixed = type(a)(a.schedule, a.options, [a.samples[0], dataclasses.replace(b.samples[0], schedule=a.schedule)])
+    bf16 = dataclasses.replace(a.samples[0], image=a.samples[0].image.bfloat16())
+    for batch in (mixed, type(a)(a.schedule, a.options, [bf16, bf16])):
+        restored = pickle.loads(pickle.dumps(batch))
+        for original, copy in zip(batch.samples, restored.samples):
+            assert_same_sample(original, copy)
+            assert copy.image.dtype == original.image.dtype
+
+
 def test_concat_keeps_one_schedule_and_refuses_mismatches(random_pipeline):
     a = run(random_pipeline, ["3", "4"], [1, 2], num_inference_steps=3)
     b = run(random_pipeline, ["5"], [3], num_inference_steps=3)
