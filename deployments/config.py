@@ -88,6 +88,17 @@ class RolloutAppConfig(BaseModel):
         0.25, ge=0, description="How long an idle worker waits for concurrent work to fill its micro-batches."
     )
     limits: RequestLimits = Field(default_factory=RequestLimits)
+    # Checked before a body is read (its Content-Length) and while it is read (a chunked body), so a
+    # client cannot make the ingress hold more than this. A request of 64 long prompts is ~100 KB;
+    # parsing a hostile 16 MiB body (8M numbers) held the ingress's event loop for 1.1 s here, 1 MiB 70 ms.
+    max_request_body_bytes: int = Field(
+        2**20, ge=1, description="Largest body of a POST request, except weight updates from tensors (413 beyond)."
+    )
+    # Weight bodies are larger than requests (a LoRA adapter of a real family is tens to hundreds of
+    # MB); whole checkpoints of real models go through the handle and the object store instead.
+    max_weight_update_body_bytes: int = Field(
+        1 * 2**30, ge=1, description="Largest body of POST /update_weights_from_tensor (413 beyond)."
+    )
     request_validation: RequestValidation = Field(
         "strict",
         description="strict: refuse unknown request fields and mistyped values (422, naming the field). "

@@ -43,7 +43,7 @@ from rollout.api import (
     unknown_fields,
 )
 from rollout.codec import CodecError, decode_tree, parse_json, parse_msgpack, to_json, to_msgpack
-from rollout.errors import InvalidRequestError, RequestSchemaError, RolloutError
+from rollout.errors import FieldError, InvalidRequestError, RequestSchemaError, RolloutError, clip
 from rollout.weights import WeightUpdateError
 from rollout.trajectory import RolloutBatch
 
@@ -80,18 +80,34 @@ class RolloutResult:
         return _joined_batch(await self.worker_results_async())
 
 
-async def _json_body(http_request: Request) -> Any:
-    body = await http_request.body()
+class BodyTooLargeError(FieldError):
+    """A request body over its limit in the app config (HTTP 413); refused before the rest is read."""
+
+
+async def _json_body(http_request: Request, config: RolloutAppConfig, limit_name: str = "max_request_body_bytes") -> Any:
+    """The body, parsed; raises `BodyTooLargeError` as soon as it is known to be over `config.<limit_name>`."""
+    limit = getattr(config, limit_name)
+    too_large = f"larger than the limit of {limit} bytes ({limit_name} in the app config)"
+    declared = http_request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLargeError("body", too_large)
+    # Read chunk by chunk, since a chunked body declares no length.
+    body = bytearray()
+    async for chunk in http_request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLargeError("body", too_large)
     return (parse_msgpack if MSGPACK in http_request.headers.get("content-type", "") else parse_json)(body)
 
 
 def _weights_refusal(error: Exception) -> JSONResponse:
     if isinstance(error, ValidationError):
         problem = error.errors(include_url=False)[0]
-        message = f"{'.'.join(map(str, problem['loc'])) or 'body'}: {problem['msg']}"
+        message = f"{clip('.'.join(map(str, problem['loc']))) or 'body'}: {problem['msg']}"
     else:
         message = str(error)
-    return JSONResponse(status_code=400, content={"success": False, "message": message})
+    status = 413 if isinstance(error, BodyTooLargeError) else 400
+    return JSONResponse(status_code=status, content={"success": False, "message": message})
 
 
 def _joined_batch(parts: list[WorkerResult]) -> RolloutBatch:
@@ -106,7 +122,10 @@ def _error_response(status: int, field: str, message: str, detail: Any) -> JSONR
 
 def _rollout_error_response(error: RolloutError) -> JSONResponse:
     """422 for a body that does not fit the schema, 400 for a value the server cannot serve (SGLang's
-    statuses); 409 for a request that requires other weights; 503 while the memory is released."""
+    statuses); 413 for a body over the size limit; 409 for a request that requires other weights;
+    503 while the memory is released."""
+    if isinstance(error, BodyTooLargeError):
+        return _error_response(413, error.field, str(error), str(error))
     if isinstance(error, RequestSchemaError):
         return _error_response(422, error.field, str(error), error.errors)
     if isinstance(error, InvalidRequestError):
@@ -155,7 +174,7 @@ class RolloutIngress:
         validation = self.config.request_validation
         ignored = unknown_fields(request) if validation == "sglang" and isinstance(request, dict) else []
         if ignored:
-            logger.warning("ignoring unknown request fields %s", ignored[:10])
+            logger.warning("ignoring unknown request fields %s", [clip(name) for name in ignored[:10]])
         return plan_rollout(parse_request(request, validation), self.config.limits)
 
     async def _dispatch(self, plan: RolloutPlan) -> list[ray.ObjectRef]:
@@ -251,8 +270,8 @@ class RolloutIngress:
     @app.post("/update_weights_from_disk")
     async def http_update_weights_from_disk(self, http_request: Request) -> Response:
         try:
-            body = UpdateWeightsFromDiskRequest.model_validate(await _json_body(http_request))
-        except (CodecError, ValidationError) as error:
+            body = UpdateWeightsFromDiskRequest.model_validate(await _json_body(http_request, self.config))
+        except (CodecError, ValidationError, BodyTooLargeError) as error:
             return _weights_refusal(error)
         source = DiskSource(body.model_path, body.target_modules)
         return _weights_answer(await self._update(source, body.weight_version))
@@ -260,14 +279,14 @@ class RolloutIngress:
     @app.post("/update_weights_from_tensor")
     async def http_update_weights_from_tensor(self, http_request: Request) -> Response:
         try:
-            raw = await _json_body(http_request)
+            raw = await _json_body(http_request, self.config, "max_weight_update_body_bytes")
             if isinstance(raw, dict) and "serialized_named_tensors" in raw:
                 raise CodecError(
                     "serialized_named_tensors are pickles, which this server never unpickles; "
                     "send named_tensors as tensor envelopes (rollout.codec)"
                 )
             body = UpdateWeightsFromTensorRequest.model_validate(decode_tree(raw))
-        except (CodecError, ValidationError) as error:
+        except (CodecError, ValidationError, BodyTooLargeError) as error:
             return _weights_refusal(error)
         source = TensorSource(body.named_tensors, body.target_modules, body.lora_rank, body.lora_alpha)
         return _weights_answer(await self._update(source, body.weight_version))
@@ -275,8 +294,8 @@ class RolloutIngress:
     @app.post("/get_weights_checksum")
     async def http_get_weights_checksum(self, http_request: Request) -> Response:
         try:
-            body = WeightsChecksumRequest.model_validate(await _json_body(http_request) or {})
-        except (CodecError, ValidationError) as error:
+            body = WeightsChecksumRequest.model_validate(await _json_body(http_request, self.config) or {})
+        except (CodecError, ValidationError, BodyTooLargeError) as error:
             return _weights_refusal(error)
         per_replica = await self.get_weights_checksum(body.module_names)
         # SGLang's answer is {module: checksum}; replicas that disagree are reported as such.
@@ -306,7 +325,7 @@ class RolloutIngress:
     async def http_generate(self, http_request: Request) -> Response:
         start = time.perf_counter()
         try:
-            plan = self._plan(await _json_body(http_request))
+            plan = self._plan(await _json_body(http_request, self.config))
             result = await self._result(plan)
             parts = await result.worker_results_async()
             batch = _joined_batch(parts)

@@ -16,8 +16,8 @@ from ray.serve.handle import DeploymentHandle
 from deployments.batching import SamplingQueue
 from deployments.config import RolloutAppConfig
 from deployments.weights import WeightFollower
-from rollout.api import SamplingWork
-from rollout.errors import InvalidRequestError, RolloutError
+from rollout.api import SamplingWork, check_finite
+from rollout.errors import InvalidRequestError, NonFiniteOutputError, RolloutError
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.sampler import micro_batch_size, resolve_options, sample
@@ -157,6 +157,12 @@ class RolloutWorker:
         offset = 0
         for i, work in zip(servable, group):
             part = batch.subset(range(offset, offset + len(work)))
-            results[i] = WorkerResult(part, len(seeds), elapsed, peak_memory_mb, self.replica, self.node_id)
             offset += len(work)
+            try:  # each request on its own: NaN in one request's samples does not fail the others
+                check_finite(part)
+            except NonFiniteOutputError as error:
+                logger.warning("request refused its samples: %s", error)
+                results[i] = error
+                continue
+            results[i] = WorkerResult(part, len(seeds), elapsed, peak_memory_mb, self.replica, self.node_id)
         return results

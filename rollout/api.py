@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollout.errors import InvalidRequestError, RequestSchemaError
+from rollout.errors import InvalidRequestError, NonFiniteOutputError, RequestSchemaError, clip, short_repr
 from rollout.options import MAX_SEED, SamplingOptions
 from rollout.trajectory import RolloutBatch, SampleTrajectory
 from rollout.transitions import LogProbForm, TransitionKind
@@ -107,6 +107,15 @@ class RequestLimits(BaseModel):
     max_samples_per_request: int = Field(512, ge=1, description="Most samples (prompts x outputs) in one request.")
     max_inference_steps: int = Field(100, ge=1, description="Largest `num_inference_steps`.")
     default_inference_steps: int = Field(20, ge=1, description="`num_inference_steps` when a request gives none.")
+    # Finite but huge values make NaN and inf images and log-probs (guidance_scale 1e30 does on
+    # the embedded model; rollout_noise_level 30 does, and 5 already grows the latents to 3e4).
+    max_guidance_scale: float = Field(
+        100.0, gt=0, description="Largest `guidance_scale` and `true_cfg_scale` (common values are 1 to 15)."
+    )
+    max_noise_level: float = Field(
+        2.0, gt=0, description="Largest `rollout_noise_level` (Flow-GRPO uses 0.7; cps takes at most 1 anyway)."
+    )
+    max_image_size: int = Field(4096, ge=1, description="Largest `height` and `width`, in pixels.")
 
 
 def unknown_fields(data: dict[Any, Any]) -> list[str]:
@@ -133,13 +142,23 @@ def parse_request(data: RolloutRequest | dict[str, Any], validation: RequestVali
     return _merge_extra_sampling_params(data, lenient)
 
 
+# A body with a million bad items is answered with the first few, each location clipped.
+_MAX_REPORTED_PROBLEMS = 10
+
+
+def _problem(kind: str, loc: list[Any], message: str) -> dict[str, Any]:
+    """One entry of FastAPI's `detail`, without the value (FastAPI's would echo it)."""
+    loc = [part if isinstance(part, int) else clip(str(part)) for part in loc]
+    return {"type": kind, "loc": ["body", *loc], "msg": message}
+
+
 def _unknown_fields_error(unknown: list[str]) -> RequestSchemaError:
     reason = (
         f"unknown field{_did_you_mean(unknown[0])} "
         "(an app with request_validation: sglang ignores unknown fields, as SGLang does)"
     )
     message = "Extra inputs are not permitted"  # pydantic's and FastAPI's words
-    detail = [{"type": "extra_forbidden", "loc": ["body", name], "msg": message} for name in unknown]
+    detail = [_problem("extra_forbidden", [name], message) for name in unknown[:_MAX_REPORTED_PROBLEMS]]
     return RequestSchemaError(unknown[0], reason, detail)
 
 
@@ -158,10 +177,10 @@ def _schema_error(error: ValidationError, location: tuple[str, ...]) -> RequestS
     # dropped) and list indices (kept).
     name, *rest = first_problem["loc"] or ("body",)
     field = ".".join([*location, str(name)] + [str(part) for part in rest if isinstance(part, int)])
-    value = "" if first_problem["type"] == "missing" else f", got {_short_repr(first_problem['input'])}"
+    value = "" if first_problem["type"] == "missing" else f", got {short_repr(first_problem['input'])}"
     detail = [
-        {"type": problem["type"], "loc": ["body", *location, *problem["loc"]], "msg": problem["msg"]}
-        for problem in problems
+        _problem(problem["type"], [*location, *problem["loc"]], problem["msg"])
+        for problem in problems[:_MAX_REPORTED_PROBLEMS]
     ]
     return RequestSchemaError(field, f"{first_problem['msg']}{value}", detail)
 
@@ -179,7 +198,7 @@ def _merge_extra_sampling_params(request: RolloutRequest, lenient: bool) -> Roll
         if key not in _OVERRIDABLE_FIELDS:
             raise InvalidRequestError(
                 f"extra_sampling_params.{key}",
-                f"this server does not support the sampling parameter {key!r}{_did_you_mean(str(key))}; "
+                f"this server does not support the sampling parameter {short_repr(key)}{_did_you_mean(str(key))}; "
                 "it takes overrides of the request's own fields",
             )
         if key == "rollout" and value != request.rollout and not lenient:
@@ -192,14 +211,16 @@ def _merge_extra_sampling_params(request: RolloutRequest, lenient: bool) -> Roll
     return _validate(merged, lenient, ("extra_sampling_params",))
 
 
+# difflib's cutoff (a ratio of 0.6) cannot be met by a name this long, and difflib indexes every
+# character of the name it is given: seconds for a megabyte key.
+_LONGEST_CLOSE_NAME = 3 * max(map(len, RolloutRequest.model_fields))
+
+
 def _did_you_mean(name: str) -> str:
+    if len(name) > _LONGEST_CLOSE_NAME:
+        return ""
     close = difflib.get_close_matches(name, RolloutRequest.model_fields, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _short_repr(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -285,6 +306,7 @@ def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str
     steps = limits.default_inference_steps if request.num_inference_steps is None else request.num_inference_steps
     if steps > limits.max_inference_steps:
         raise InvalidRequestError("num_inference_steps", f"at most {limits.max_inference_steps}, got {steps}")
+    _check_value_limits(request, limits, steps)
     _check_image_model_fields(request)
     _negative_prompts(request)
     if request.seed is not None and request.seed < 0:
@@ -324,6 +346,34 @@ def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str
             "(which means 'squared_error')",
         )
     return RolloutPlan(request_id or secrets.token_hex(8), request, seed, options)
+
+
+# Request field -> the `RequestLimits` field that bounds it.
+_UPPER_LIMITS = {
+    "guidance_scale": "max_guidance_scale",
+    "true_cfg_scale": "max_guidance_scale",
+    "rollout_noise_level": "max_noise_level",
+    "height": "max_image_size",
+    "width": "max_image_size",
+}
+
+
+def _check_value_limits(request: RolloutRequest, limits: RequestLimits, steps: int) -> None:
+    for field, limit_name in _UPPER_LIMITS.items():
+        value, limit = getattr(request, field), getattr(limits, limit_name)
+        if value is not None and value > limit:
+            raise InvalidRequestError(field, f"must be at most {limit} (limits.{limit_name}), got {short_repr(value)}")
+    # Each step can be named once, so a longer list is refused by its length alone, before anything
+    # walks its entries (150,000 zeros took 13 s in SamplingOptions' duplicate check).
+    step_lists = (("rollout_sde_step_indices", steps, steps - 1), ("rollout_return_step_indices", steps + 1, steps))
+    for field, most, largest in step_lists:
+        indices = getattr(request, field)
+        if indices is not None and len(indices) > most:
+            raise InvalidRequestError(
+                field,
+                f"at most {most} entries (steps 0 .. {largest}, each once, of num_inference_steps {steps}), "
+                f"got {len(indices)}",
+            )
 
 
 def _check_image_model_fields(request: RolloutRequest) -> None:
@@ -390,6 +440,26 @@ def _debug_tensors(sample: SampleTrajectory) -> dict[str, torch.Tensor] | None:
         "rollout_noise_std_devs": sample.debug.noise_std_devs.unsqueeze(-1),  # [T, 1], as SGLang's
         "rollout_model_outputs": sample.debug.model_outputs,
     }
+
+
+def check_finite(batch: RolloutBatch) -> RolloutBatch:
+    """`batch`, if every floating-point tensor of its samples is finite.
+
+    Raises `NonFiniteOutputError` naming the tensors that are not: NaN log-probs returned as a
+    success would poison a training step, and nothing downstream would say why.
+    """
+    bad: dict[str, int] = {}
+    for sample in batch.samples:
+        for name, tensor in sample.tensors().items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                bad[name] = bad.get(name, 0) + 1
+    if bad:
+        where = ", ".join(f"{name} ({count} of {len(batch.samples)} samples)" for name, count in bad.items())
+        raise NonFiniteOutputError(
+            f"sampling produced NaN or infinite values in {where}; "
+            "lower guidance_scale, true_cfg_scale or rollout_noise_level, or check the served weights"
+        )
+    return batch
 
 
 class UpdateWeightsFromDiskRequest(BaseModel):

@@ -268,14 +268,41 @@ def _msgpack_bin_header(length: int) -> bytes:
     raise CodecError(f"a tensor of {length} bytes is larger than msgpack's 4 GiB limit for one value")
 
 
+# This server's bodies nest 6 deep at most (a response's envelope's shape). Deeper ones are refused
+# when parsed: the recursive code that reads values (repr, pydantic, `decode_tree`) would hit
+# Python's recursion limit at about 1,000, and msgpack's own stack allows 1,024.
+MAX_NESTING_DEPTH = 32
+_TOO_DEEP = f"body nests maps and lists deeper than {MAX_NESTING_DEPTH} levels"
+_CONTAINERS = {dict, list}  # the types the parsers build maps and arrays as
+
+
+def _within_depth(value: Any) -> Any:
+    """`value`, if its maps and lists nest at most `MAX_NESTING_DEPTH` deep; one pass, level by level."""
+    level = [value] if type(value) in _CONTAINERS else []
+    for _ in range(MAX_NESTING_DEPTH):
+        children = []
+        for node in level:
+            items = node.values() if type(node) is dict else node
+            # Looks at a long list of numbers in C: a Python loop over every item took 2 s for 8M.
+            if not _CONTAINERS.isdisjoint(map(type, items)):
+                children.extend(item for item in items if type(item) in _CONTAINERS)
+        level = children
+    if level:
+        raise CodecError(_TOO_DEEP)
+    return value
+
+
 def parse_msgpack(body: bytes, object_hook=None) -> Any:
     """A msgpack body as plain values; tensor envelopes stay maps (request bodies carry none)."""
     try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True, object_hook=object_hook)
+        value = msgpack.unpackb(body, raw=False, strict_map_key=True, object_hook=object_hook)
     except CodecError:
         raise
+    except msgpack.StackError:
+        raise CodecError(_TOO_DEEP) from None
     except (msgpack.UnpackException, ValueError, TypeError) as e:
         raise CodecError(f"body is not valid msgpack: {e}") from None
+    return _within_depth(value)
 
 
 def _decoded_if_envelope(value: dict) -> Any:
@@ -294,11 +321,14 @@ def to_json(value: Any) -> str:
 def parse_json(body: str | bytes, object_hook=None) -> Any:
     """A JSON body as plain values; tensor envelopes stay maps (request bodies carry none)."""
     try:
-        return json.loads(body, object_hook=object_hook)
+        value = json.loads(body, object_hook=object_hook)
     except CodecError:
         raise
-    except (ValueError, RecursionError) as e:
+    except RecursionError:
+        raise CodecError(_TOO_DEEP) from None
+    except ValueError as e:
         raise CodecError(f"body is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+    return _within_depth(value)
 
 
 def from_json(body: str | bytes) -> Any:

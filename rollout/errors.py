@@ -1,8 +1,38 @@
 """Typed errors of the rollout library.
 
 Every error raised for bad input names the offending field, so that a server can turn it into a
-4xx response with a message a user can act on, and a Python caller can catch it by type.
+4xx response with a message a user can act on, and a Python caller can catch it by type. An
+error never carries more than a short excerpt of a value: a request may hold megabytes in one
+field, and an error that echoes it costs its size again in every log line and response.
 """
+
+import reprlib
+
+# A value in a message is a short excerpt: one level of a container, 80 characters of a string.
+_EXCERPT = reprlib.Repr()
+_EXCERPT.maxlevel = 1
+_EXCERPT.maxstring = _EXCERPT.maxother = 80
+# Room for a field name and for a message with an excerpt or two; an HTTP error body holds the
+# message twice (`error` and `detail`) and stays under 2 KB.
+_MAX_FIELD_CHARS = 100
+_MAX_REASON_CHARS = 500
+
+
+def short_repr(value) -> str:
+    """`repr(value)`, cut short; its cost does not grow with the value's size."""
+    return _EXCERPT.repr(value)
+
+
+def clip(text: str, limit: int = _MAX_FIELD_CHARS) -> str:
+    """`text` if it is at most `limit` characters, else its start and its end around a count of the
+    rest, `limit` characters in all: clipping twice changes nothing (Ray re-makes errors it unpickles).
+
+    The end is kept because messages end in advice ("use a digit such as '7'").
+    """
+    if len(text) <= limit:
+        return text
+    half = (limit - 40) // 2  # 40: room for the marker, whose count has up to 12 digits
+    return f"{text[:half]}...({len(text) - 2 * half} characters left out)...{text[-half:]}"
 
 
 class RolloutError(Exception):
@@ -18,9 +48,10 @@ class FieldError(RolloutError, ValueError):
     """
 
     def __init__(self, field: str, reason: str):
-        self.field = field
-        self.reason = reason
-        super().__init__(f"{field}: {reason}")
+        # Clipped here so that no raiser, in this library or a model's code, can echo a whole value.
+        self.field = clip(field)
+        self.reason = clip(reason, _MAX_REASON_CHARS)
+        super().__init__(f"{self.field}: {self.reason}")
 
     def __reduce__(self):
         # Errors cross process boundaries (Ray pickles them); rebuild from both fields.
@@ -65,3 +96,7 @@ class UnknownPromptError(InvalidRequestError):
 
 class CodecError(RolloutError, ValueError):
     """A tensor envelope is malformed or does not match its declared shape or dtype."""
+
+
+class NonFiniteOutputError(RolloutError):
+    """Sampling produced NaN or infinite values: the request fails rather than return them as a rollout."""

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
-from rollout.errors import InvalidRequestError
+from rollout.errors import InvalidRequestError, short_repr
 from rollout.transitions import LogProbForm, TransitionKind
 
 MAX_SEED = 2**63 - 1
@@ -52,7 +53,7 @@ class SamplingOptions:
             raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1, got {steps!r}")
         for field, value in (("height", self.height), ("width", self.width)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise InvalidRequestError(field, f"must be a positive integer, got {value!r}")
+                raise InvalidRequestError(field, f"must be a positive integer, got {short_repr(value)}")
         object.__setattr__(self, "sde_type", _as_enum(TransitionKind, self.sde_type, "rollout_sde_type"))
         object.__setattr__(self, "log_prob_form", _as_enum(LogProbForm, self.log_prob_form, "rollout_log_prob_form"))
         eta = _check_finite_non_negative("rollout_noise_level", self.noise_level)
@@ -85,7 +86,7 @@ class SamplingOptions:
 
 def _check_finite_non_negative(field: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise InvalidRequestError(field, f"must be a finite number >= 0, got {value!r}")
+        raise InvalidRequestError(field, f"must be a finite number >= 0, got {short_repr(value)}")
     return value
 
 
@@ -94,7 +95,7 @@ def _as_enum(enum_type, value, field: str):
         return enum_type(value)
     except ValueError:
         choices = [member.value for member in enum_type]
-        raise InvalidRequestError(field, f"must be one of {choices}, got {value!r}") from None
+        raise InvalidRequestError(field, f"must be one of {choices}, got {short_repr(value)}") from None
 
 
 def _check_step_indices(field: str, indices, largest: int) -> tuple[int, ...] | None:
@@ -102,7 +103,7 @@ def _check_step_indices(field: str, indices, largest: int) -> tuple[int, ...] | 
     if indices is None:
         return None
     if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__"):
-        raise InvalidRequestError(field, f"must be a list of integers, got {indices!r}")
+        raise InvalidRequestError(field, f"must be a list of integers, got {short_repr(indices)}")
     indices = list(indices)
     for index in indices:
         if isinstance(index, bool) or not isinstance(index, int):
@@ -110,7 +111,7 @@ def _check_step_indices(field: str, indices, largest: int) -> tuple[int, ...] | 
         if not 0 <= index <= largest:
             raise InvalidRequestError(field, f"index {index} is out of range [0, {largest}]")
     if len(set(indices)) != len(indices):
-        duplicates = sorted({i for i in indices if indices.count(i) > 1})
+        duplicates = sorted(i for i, n in Counter(indices).items() if n > 1)
         raise InvalidRequestError(field, f"contains duplicated indices {duplicates}")
     return tuple(sorted(indices))
 

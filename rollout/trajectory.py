@@ -76,10 +76,17 @@ class SampleTrajectory:
     debug: StepDebug | None = None
     denoising_env: dict[str, Any] | None = None
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The sample's tensors by field name, its debug tensors' as `debug.<name>`."""
+        tensors = {name: getattr(self, name) for name in _TENSOR_FIELDS}
+        if self.debug is not None:
+            tensors.update({f"debug.{name}": getattr(self.debug, name) for name in _DEBUG_FIELDS})
+        return tensors
+
     def __reduce__(self):
         # A sample unpacked from a batch holds views of the batch's stacked buffers; pickled on
         # its own, a view would carry the whole buffer along.
-        return _sample, (_plain_fields(self), {name: _compact(t) for name, t in _tensor_fields(self).items()})
+        return _sample, (_plain_fields(self), {name: _compact(t) for name, t in self.tensors().items()})
 
 
 @dataclass(frozen=True)
@@ -126,13 +133,6 @@ _TENSOR_FIELDS = ("image", "final_latents", "log_probs", "latents", "latent_step
 _DEBUG_FIELDS = tuple(f.name for f in dataclasses.fields(StepDebug))
 
 
-def _tensor_fields(sample: SampleTrajectory) -> dict[str, torch.Tensor]:
-    tensors = {name: getattr(sample, name) for name in _TENSOR_FIELDS}
-    if sample.debug is not None:
-        tensors.update({f"debug.{name}": getattr(sample.debug, name) for name in _DEBUG_FIELDS})
-    return tensors
-
-
 def _plain_fields(sample: SampleTrajectory) -> dict[str, Any]:
     return {
         f.name: getattr(sample, f.name)
@@ -155,7 +155,7 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
 def _stacked(samples: Sequence[SampleTrajectory]) -> dict[str, np.ndarray | list[torch.Tensor]]:
     """Each tensor field over the samples: one numpy array where shapes and dtypes agree (numpy
     has the dtype), else the samples' own tensors."""
-    per_sample = [_tensor_fields(s) for s in samples]
+    per_sample = [s.tensors() for s in samples]
     stacked: dict[str, np.ndarray | list[torch.Tensor]] = {}
     for name in per_sample[0] if per_sample else ():
         tensors = [tensors[name] for tensors in per_sample]

@@ -19,7 +19,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from rollout.errors import InvalidRequestError, UnknownPromptError
+from rollout.errors import InvalidRequestError, UnknownPromptError, short_repr
 from rollout.models.base import Conditioning, MicroBatching, batched_cfg_velocity, cfg_scale
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
@@ -49,7 +49,7 @@ def parse_digit_prompt(prompt: str, field: str = "prompt") -> int:
     if match is None:
         raise UnknownPromptError(
             field,
-            f"the embedded digits model does not know the prompt {prompt!r}; "
+            f"the embedded digits model does not know the prompt {short_repr(prompt)}; "
             "use a digit such as '7', 'seven' or 'a handwritten 7'",
         )
     digit = match.group("digit")

@@ -1,0 +1,198 @@
+"""Bounded, cheap validation over HTTP: body size limits (413), deep bodies, huge values and
+values that make non-finite outputs, each answered with a small 4xx naming the field and the limit."""
+
+import asyncio
+import http.client
+import json
+import time
+from urllib.parse import urlparse
+
+import msgpack
+import pytest
+import torch
+from starlette.requests import Request
+
+from deployments.config import RolloutAppConfig
+from deployments.ingress import BodyTooLargeError, _json_body, _rollout_error_response
+from rollout.codec import MAX_NESTING_DEPTH, TensorEncoder
+from rollout.errors import NonFiniteOutputError
+
+KiB = 2**10
+DEFAULT_LIMIT = RolloutAppConfig().max_request_body_bytes
+SMALL_ANSWER = 2_000  # bytes: an error answer never grows with the input
+
+
+# The body reader, without a server ----------------------------------------------------------------
+
+
+def request_with_body(chunks: list[bytes], content_length: int | None, received: list[bytes]) -> Request:
+    headers = [(b"content-type", b"application/json")]
+    if content_length is not None:
+        headers.append((b"content-length", str(content_length).encode()))
+    messages = [{"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1} for i, chunk in enumerate(chunks)]
+
+    async def receive():
+        message = messages[len(received)]
+        received.append(message["body"])
+        return message
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive)
+
+
+def read(chunks: list[bytes], content_length: int | None, limit: int) -> tuple[object, list[bytes]]:
+    received: list[bytes] = []
+    config = RolloutAppConfig(max_request_body_bytes=limit)
+    try:
+        return asyncio.run(_json_body(request_with_body(chunks, content_length, received), config)), received
+    except BodyTooLargeError as error:
+        return error, received
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_any_of_the_body_is_read():
+    error, received = read([b"[]"], content_length=10**12, limit=1_000)
+    assert isinstance(error, BodyTooLargeError) and received == []
+    assert error.field == "body" and "limit of 1000 bytes (max_request_body_bytes" in str(error)
+
+
+def test_a_chunked_body_is_refused_as_soon_as_it_passes_the_limit():
+    chunks = [b" " * 100] * 1_000  # 100 KB, no length declared
+    error, received = read(chunks, content_length=None, limit=1_000)
+    assert isinstance(error, BodyTooLargeError)
+    assert len(received) == 11  # the chunk that passed 1,000 bytes was the last one read
+
+
+def test_a_body_at_the_limit_is_read_and_parsed():
+    body = json.dumps({"prompt": "7", "pad": " " * 900}).encode()
+    value, _ = read([body[:500], body[500:]], content_length=None, limit=len(body))
+    assert value["prompt"] == "7"
+
+
+def test_a_non_finite_output_is_a_500_whose_body_names_no_internals():
+    message = "sampling produced NaN or infinite values in log_probs (1 of 2 samples)"
+    response = _rollout_error_response(NonFiniteOutputError(message))
+    assert response.status_code == 500
+    assert json.loads(response.body) == {"detail": f"Generation failed: {message}", "error": {"field": "", "message": message}}
+
+
+# Against the test application ---------------------------------------------------------------------
+
+
+def post_declaring(base_url: str, path: str, content_length: int) -> tuple[int, dict]:
+    """A POST that declares `content_length` and sends none of it: only an answer given before
+    reading the body can come back."""
+    url = urlparse(base_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        connection.putrequest("POST", path)
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(content_length))
+        connection.endheaders()
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize(
+    "path,content_length,limit_name",
+    [
+        ("/rollout/generate", 10**12, "max_request_body_bytes"),
+        ("/update_weights_from_disk", DEFAULT_LIMIT + 1, "max_request_body_bytes"),
+        ("/get_weights_checksum", 10**12, "max_request_body_bytes"),
+        ("/update_weights_from_tensor", 2**40, "max_weight_update_body_bytes"),
+    ],
+)
+def test_a_body_declared_over_the_limit_is_a_413_naming_the_limit(base_url, path, content_length, limit_name):
+    status, body = post_declaring(base_url, path, content_length)
+    assert status == 413
+    limit = getattr(RolloutAppConfig(), limit_name)
+    message = body["error"]["message"] if path == "/rollout/generate" else body["message"]
+    assert f"limit of {limit} bytes ({limit_name}" in message
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(http, base_url):
+    def chunks():  # no Content-Length: requests sends it chunked
+        yield b'{"prompt": "7", "pad": "'
+        for _ in range(2 * DEFAULT_LIMIT // (64 * KiB)):
+            yield b" " * 64 * KiB
+        yield b'"}'
+
+    response = http.post(f"{base_url}/rollout/generate", data=chunks(), headers={"Content-Type": "application/json"})
+    assert response.status_code == 413
+    assert response.json()["error"] == {"field": "body", "message": response.json()["detail"]}
+
+
+def test_a_weight_update_body_over_the_request_limit_is_read_under_its_own(http, base_url):
+    big = torch.zeros(DEFAULT_LIMIT // 4 + KiB)  # float32: over the request limit
+    # A wrong lora_rank is refused after the body is read and before any weight changes.
+    body = msgpack.packb(TensorEncoder().encode({"named_tensors": {"w": big}, "lora_rank": "eight"}))
+    assert len(body) > DEFAULT_LIMIT
+    response = http.post(
+        f"{base_url}/update_weights_from_tensor", data=body, headers={"Content-Type": "application/msgpack"}
+    )
+    assert response.status_code == 400 and "lora_rank" in response.json()["message"], response.text
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/msgpack"])
+def test_deep_bodies_are_a_422_and_never_a_500(http, base_url, content_type):
+    for depth in (MAX_NESTING_DEPTH + 1, 900, 100_000):
+        if content_type == "application/json":
+            raw = b'{"prompt": "7", "extra_sampling_params": {"seed": ' + b"[" * depth + b"]" * depth + b"}}"
+        else:
+            raw = msgpack.packb({"prompt": "7", "extra_sampling_params": {"seed": 0}})[:-1] + b"\x91" * depth + b"\x00"
+        response = http.post(f"{base_url}/rollout/generate", data=raw, headers={"Content-Type": content_type})
+        assert response.status_code == 422, (depth, response.text)
+        assert f"deeper than {MAX_NESTING_DEPTH} levels" in response.json()["error"]["message"]
+    # The weight routes parse the same way (and then walk the value recursively).
+    raw = b"[" * 900 + b"]" * 900
+    response = http.post(f"{base_url}/update_weights_from_tensor", data=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and "deeper than" in response.json()["message"]
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"prompt": "x" * 1_000_000}, "prompt"),  # refused by the model, in a worker replica
+        ({"prompt": "7", "notes": "x" * (DEFAULT_LIMIT - KiB)}, "notes"),  # just under the body limit
+        ({"prompt": "7", "k" * (DEFAULT_LIMIT - KiB): 1}, "kkkkkkkkkkkkkkkkkkkkkkkkkkkkkk"),
+        ({"prompt": ["x" * 1_000_000, 2, 3, 4]}, "prompt"),
+    ],
+    ids=["1MB-prompt", "huge-unknown-field", "huge-unknown-key", "mistyped-list"],
+)
+def test_huge_values_get_a_small_answer(http, base_url, body, field):
+    response = http.post(f"{base_url}/rollout/generate", data=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert response.status_code in (400, 422), response.text[:500]
+    assert len(response.content) < SMALL_ANSWER
+    assert response.json()["error"]["field"].startswith(field)
+
+
+def test_a_50_MB_unknown_field_is_a_small_413(base_url):
+    # Declared, as any client declares a body it has in memory; none of it is read.
+    status, body = post_declaring(base_url, "/rollout/generate", 50 * 10**6)
+    assert status == 413 and len(json.dumps(body)) < SMALL_ANSWER
+
+
+@pytest.mark.parametrize(
+    "field,value,limit_name",
+    [
+        ("guidance_scale", 1e308, "max_guidance_scale"),
+        ("true_cfg_scale", 1e308, "max_guidance_scale"),
+        ("rollout_noise_level", 1e6, "max_noise_level"),
+        ("width", 10**9, "max_image_size"),
+    ],
+)
+def test_values_that_would_make_non_finite_outputs_are_a_400_naming_the_limit(http, base_url, field, value, limit_name):
+    response = http.post(f"{base_url}/rollout/generate", json={"prompt": "7", "num_inference_steps": 2, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["field"] == field and f"(limits.{limit_name})" in error["message"]
+
+
+def test_a_long_step_list_is_answered_at_once_and_health_stays_responsive(http, base_url):
+    body = {"prompt": "7", "num_inference_steps": 20, "rollout_return_step_indices": [0] * 150_000}
+    start = time.perf_counter()
+    response = http.post(f"{base_url}/rollout/generate", json=body)
+    elapsed = time.perf_counter() - start
+    assert response.status_code == 400 and "at most 21 entries" in response.json()["error"]["message"]
+    assert elapsed < 3.0, elapsed  # was 12.8 s, with the ingress's event loop blocked throughout
+    assert http.get(f"{base_url}/health").status_code == 200

@@ -1,0 +1,193 @@
+"""Validation stays cheap and its answers small whatever the input: depth and length limits,
+excerpts instead of echoed values, limits on values that make non-finite outputs, and the guard
+that refuses non-finite outputs. Library level, no Ray."""
+
+import dataclasses
+import json
+import pickle
+import time
+
+import msgpack
+import pytest
+import torch
+
+from rollout.api import RequestLimits, check_finite, parse_request, plan_rollout
+from rollout.codec import MAX_NESTING_DEPTH, CodecError, from_msgpack, parse_json, parse_msgpack, to_msgpack
+from rollout.errors import InvalidRequestError, NonFiniteOutputError, RequestSchemaError, UnknownPromptError
+from rollout.models.digits import parse_digit_prompt
+from rollout.options import SamplingOptions
+from rollout.sampler import sample
+
+LIMITS = RequestLimits()
+
+
+def plan(body, limits=LIMITS):
+    return plan_rollout(parse_request(body), limits)
+
+
+def refusal(body, limits=LIMITS) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as caught:
+        plan(body, limits)
+    return caught.value
+
+
+# Nesting ---------------------------------------------------------------------------------------
+
+
+def json_nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def msgpack_nested(depth: int) -> bytes:
+    return b"\x81\xa1k" * (depth - 1) + b"\x80"  # maps {"k": {"k": ... {}}}
+
+
+@pytest.mark.parametrize("parse,nested", [(parse_json, json_nested), (parse_msgpack, msgpack_nested)])
+def test_bodies_nested_up_to_the_limit_parse_and_deeper_ones_are_a_codec_error(parse, nested):
+    assert parse(nested(MAX_NESTING_DEPTH)) is not None
+    # Past the limit, past Python's recursion limit, and (msgpack) past msgpack's own stack of 1,024.
+    for depth in (MAX_NESTING_DEPTH + 1, 990, 5_000, 100_000):
+        with pytest.raises(CodecError, match=f"deeper than {MAX_NESTING_DEPTH} levels"):
+            parse(nested(depth))
+
+
+def test_a_deep_value_inside_a_request_field_is_refused_when_parsed():
+    # At depth 900 msgpack parses it, and repr and pydantic then overflowed Python's stack (a 500).
+    inner = b"\x91" * 900 + b"\x00"
+    body = b"\x82" + msgpack.packb("prompt") + msgpack.packb("7") + msgpack.packb("extra_sampling_params")
+    body += b"\x81" + msgpack.packb("seed") + inner
+    with pytest.raises(CodecError, match="deeper than"):
+        parse_msgpack(body)
+
+
+def test_responses_decode_within_the_depth_limit():
+    rows = [{"dit_trajectory": {"latents": torch.zeros(2, 3)}, "denoising_env": {"pos_cond_kwargs": {"x": [torch.ones(1)]}}}]
+    decoded = from_msgpack(to_msgpack(rows))
+    assert torch.equal(decoded[0]["denoising_env"]["pos_cond_kwargs"]["x"][0], torch.ones(1))
+
+
+# Linear checks -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field,steps,most",
+    [("rollout_return_step_indices", 20, 21), ("rollout_sde_step_indices", 20, 20), ("rollout_return_step_indices", 100, 101)],
+)
+def test_a_step_list_longer_than_the_steps_is_refused_by_its_length_at_once(field, steps, most):
+    body = {"prompt": "7", "num_inference_steps": steps, field: [0] * 150_000}
+    start = time.perf_counter()
+    error = refusal(body)
+    assert time.perf_counter() - start < 1.0  # was 12.8 s (a quadratic duplicate check)
+    assert error.field == field
+    assert f"at most {most} entries" in error.reason and "150000" in error.reason
+
+
+def test_a_step_list_naming_every_step_once_is_accepted():
+    options = plan({"prompt": "7", "num_inference_steps": 5, "rollout_return_step_indices": [5, 4, 3, 2, 1, 0]}).options
+    assert options.return_step_indices == (0, 1, 2, 3, 4, 5)
+    assert plan({"prompt": "7", "num_inference_steps": 5, "rollout_sde_step_indices": list(range(5))}).options
+
+
+# Limits on values that make non-finite outputs --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field,value,limit_name,option",
+    [
+        ("guidance_scale", 1e308, "max_guidance_scale", "guidance_scale"),
+        ("true_cfg_scale", 1e6, "max_guidance_scale", "true_cfg_scale"),
+        ("rollout_noise_level", 1e6, "max_noise_level", "noise_level"),
+        ("width", 10**6, "max_image_size", "width"),
+        ("height", 4097, "max_image_size", "height"),
+    ],
+)
+def test_values_over_a_configured_limit_are_refused_naming_the_field_and_the_limit(field, value, limit_name, option):
+    error = refusal({"prompt": "7", field: value})
+    assert error.field == field
+    assert f"at most {getattr(LIMITS, limit_name)} (limits.{limit_name})" in error.reason
+    # The limit is the configuration's: raised, the same value passes.
+    raised = RequestLimits(**{limit_name: value})
+    assert getattr(plan({"prompt": "7", field: value}, raised).options, option) == value
+
+
+def test_values_at_the_limits_are_accepted():
+    options = plan({"prompt": "7", "guidance_scale": 100.0, "true_cfg_scale": 100.0, "rollout_noise_level": 2.0}).options
+    assert (options.guidance_scale, options.true_cfg_scale, options.noise_level) == (100.0, 100.0, 2.0)
+
+
+# Errors carry excerpts ----------------------------------------------------------------------------
+
+
+def schema_refusal(body) -> RequestSchemaError:
+    with pytest.raises(RequestSchemaError) as caught:
+        parse_request(body)
+    return caught.value
+
+
+def error_size(error: InvalidRequestError) -> int:
+    return len(str(error)) + len(json.dumps(getattr(error, "errors", [])))
+
+
+def test_a_huge_value_in_an_unknown_field_is_not_echoed():
+    error = schema_refusal({"prompt": "7", "notes": "x" * 50_000_000})
+    assert error.field == "notes" and error_size(error) < 1_000
+
+
+def test_a_huge_unknown_key_is_clipped_and_answered_at_once():
+    start = time.perf_counter()
+    error = schema_refusal({"prompt": "7", "k" * 5_000_000: 1})
+    assert time.perf_counter() - start < 0.5  # difflib took 0.7 s per 5 MB key
+    assert error.field.startswith("kkkk") and "characters left out" in error.field
+    assert error_size(error) < 1_000
+
+
+def test_a_body_with_many_bad_items_reports_the_first_few():
+    error = schema_refusal({"prompt": "7", **{f"unknown_{i}": i for i in range(10_000)}})
+    assert len(error.errors) == 10 and error.field == "unknown_0"
+    error = schema_refusal({"prompt": ["x" * 1_000_000] + [1] * 10_000})
+    assert error.field.startswith("prompt") and error_size(error) < 2_000
+
+
+def test_a_mistyped_huge_value_is_shown_as_a_short_excerpt():
+    error = schema_refusal({"prompt": "7", "seed": "9" * 1_000_000})
+    assert error.field == "seed" and "..." in error.reason and len(error.reason) < 300
+
+
+def test_an_error_raised_with_a_huge_value_keeps_its_start_and_its_advice():
+    # The embedded model's message quotes the whole prompt; the error itself clips it.
+    with pytest.raises(UnknownPromptError) as caught:
+        parse_digit_prompt("x" * 1_000_000)
+    error = caught.value
+    assert len(str(error)) < 700
+    assert "does not know the prompt 'xxx" in error.reason and error.reason.endswith("'a handwritten 7'")
+    copy = pickle.loads(pickle.dumps(error))  # Ray carries errors pickled: the clip is idempotent
+    assert (copy.field, copy.reason) == (error.field, error.reason)
+
+
+# The non-finite output guard ----------------------------------------------------------------------
+
+
+def test_the_guard_passes_finite_batches_through(random_pipeline):
+    batch = sample(random_pipeline, ["3", "4"], seeds=[0, 1], options=SamplingOptions(num_inference_steps=3, debug=True))
+    assert check_finite(batch) is batch
+
+
+def test_the_guard_refuses_a_batch_whose_sampling_overflowed(random_pipeline):
+    # What the limits keep requests from: a finite guidance scale that overflows the latents.
+    options = SamplingOptions(num_inference_steps=3, guidance_scale=1e30)
+    batch = sample(random_pipeline, ["3", "4"], seeds=[0, 1], options=options)
+    with pytest.raises(NonFiniteOutputError, match=r"NaN or infinite values in .*latents \(2 of 2 samples\)"):
+        check_finite(batch)
+
+
+def test_the_guard_names_each_non_finite_tensor_and_how_many_samples_have_one(random_pipeline):
+    batch = sample(random_pipeline, ["3", "4", "5"], seeds=[0, 1, 2], options=SamplingOptions(num_inference_steps=3, debug=True))
+    poisoned = batch.samples[1].log_probs.clone()
+    poisoned[0] = float("inf")
+    debug = dataclasses.replace(batch.samples[2].debug, noise_std_devs=torch.full((3,), float("nan")))
+    samples = [batch.samples[0], dataclasses.replace(batch.samples[1], log_probs=poisoned), dataclasses.replace(batch.samples[2], debug=debug)]
+    with pytest.raises(NonFiniteOutputError) as caught:
+        check_finite(dataclasses.replace(batch, samples=samples))
+    message = str(caught.value)
+    assert "log_probs (1 of 3 samples)" in message and "debug.noise_std_devs (1 of 3 samples)" in message
+    assert "image" not in message
