@@ -64,15 +64,13 @@ def max_log_prob_error(snapshot: ScheduleSnapshot, sigmas: torch.Tensor, generat
     return worst
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, default=Path("docs/schedule_exactness.md"))
-    args = parser.parse_args()
+def measure() -> tuple[list[dict], dict[str, dict[str, list[float]]]]:
+    """The table's rows (at `TABLE_STEPS`) and, per schedule, the plotted series over `STEP_COUNTS`."""
     generator = torch.Generator().manual_seed(0)
     figures: dict[str, dict[str, list[float]]] = {}
     rows = []
     for name, (config, tokens) in SCHEDULES.items():
-        series = figures[name] = {"fp32": [], "bf16": [], "dlogp_fp32": [], "dlogp_bf16": []}
+        series = figures[name] = {"fp32": [], "bf16": []}
         for steps in STEP_COUNTS:
             snapshot = schedule(config, tokens, steps)
             row = {"schedule": name, "steps": steps}
@@ -82,16 +80,15 @@ def main() -> None:
                 series[label].append(differing / steps)
                 row[label] = f"{differing}/{steps}"
                 if steps in TABLE_STEPS:
-                    error = max_log_prob_error(snapshot, rebuilt, generator)
-                    row[f"dlogp_{label}"] = error
+                    row[f"dlogp_{label}"] = max_log_prob_error(snapshot, rebuilt, generator)
             if steps in TABLE_STEPS:
                 row["dlogp_returned"] = max_log_prob_error(snapshot, snapshot.sigmas, generator)
                 rows.append(row)
+    return rows, figures
 
+
+def table(rows: list[dict]) -> list[str]:
     lines = [
-        "# Schedule exactness: `timesteps / 1000` against the returned sigmas",
-        "",
-        f"Command: `.venv/bin/python -m benchmarks.schedule_exactness`. Torch {torch.__version__}.",
         "Steps whose rebuilt sigma differs from the scheduler's, and the largest |log-prob error| of an",
         "SDE step (eta 0.7, 16x64x64 latents) scored with rebuilt sigmas; with the returned sigmas it is 0.",
         "",
@@ -103,7 +100,23 @@ def main() -> None:
             f"| {row['schedule']} | {row['steps']} | {row['fp32']} | {row['bf16']} | {row['dlogp_fp32']:.2e} "
             f"| {row['dlogp_bf16']:.2e} | {row['dlogp_returned']:.1f} |"
         )
-    lines += ["", f"![fraction of steps that differ]({args.output.with_suffix('.png').name})", ""]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", type=Path, default=Path("docs/schedule_exactness.md"))
+    args = parser.parse_args()
+    rows, figures = measure()
+    lines = [
+        "# Schedule exactness: `timesteps / 1000` against the returned sigmas",
+        "",
+        f"Command: `.venv/bin/python -m benchmarks.schedule_exactness`. Torch {torch.__version__}.",
+        *table(rows),
+        "",
+        f"![fraction of steps that differ]({args.output.with_suffix('.png').name})",
+        "",
+    ]
     args.output.write_text("\n".join(lines))
     plot(figures, args.output.with_suffix(".png"))
     print("\n".join(lines))

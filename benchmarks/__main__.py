@@ -1,0 +1,324 @@
+"""The benchmark suite: every serving figure in one run, written to docs/benchmarks.md.
+
+    .venv/bin/python -m benchmarks               # about 8 minutes on 2 cores
+    .venv/bin/python -m benchmarks --rounds 3    # quicker, noisier
+
+Starts a local Ray cluster with three applications (one worker replica; two; the default
+configuration), takes turns between the paths it compares, and reports each comparison per
+round as min / median / max. Not part of the test suite: speed is measured here, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+from pathlib import Path
+
+import diffusers
+import ray
+import requests
+import torch
+from ray import serve
+
+from benchmarks import codec, schedule_exactness
+from benchmarks.serving import (
+    InProcessSampler,
+    Spread,
+    concurrent_clients,
+    msgpack_body,
+    own_tensors,
+    pickle_round_trip,
+    post_msgpack,
+    speed_ratios,
+    stored_bytes,
+    take_turns,
+    tensor_bytes,
+)
+from deployments.app import build_app
+from rollout.api import RequestLimits, RolloutRequest, plan_rollout, response_rows
+from rollout.codec import to_json, to_msgpack
+from rollout.models.registry import load_pipeline
+from rollout.sampler import sample
+from rollout.trajectory import RolloutBatch
+
+STEPS = 20
+LIGHT = {"num_inference_steps": STEPS, "rollout_debug_mode": False}
+HEAVY = {**LIGHT, "rollout_debug_mode": True, "rollout_return_dit_trajectory": True}
+ONE_REPLICA = {"num_worker_replicas": 1, "worker_num_cpus": 1, "worker_torch_threads": 1, "max_batch_size": 32}
+TWO_REPLICAS = {**ONE_REPLICA, "num_worker_replicas": 2, "worker_num_cpus": 0.5}
+
+
+def request(samples: int, prompts: int = 8, **fields) -> dict:
+    per_prompt = samples // prompts
+    return {**fields, "prompt": [str(d % 10) for d in range(prompts)], "num_outputs_per_prompt": per_prompt, "seed": 0}
+
+
+class Suite:
+    def __init__(self, rounds: int, port: int):
+        self.rounds = rounds
+        self.base = f"http://127.0.0.1:{port}"
+        self.session = requests.Session()
+        self.lines: list[str] = []
+        self.targets: list[tuple[str, str, str]] = []  # figure, measured, target
+
+    def section(self, title: str, *lines: str) -> None:
+        self.lines += ["", f"## {title}", "", *lines]
+        print(f"\n## {title}\n" + "\n".join(lines), flush=True)
+
+    def deploy(self, name: str, config: dict):
+        return serve.run(build_app({**config, "app_name": name}), name=name, route_prefix=f"/{name}")
+
+    def url(self, app: str) -> str:
+        return f"{self.base}/{app}/rollout/generate"
+
+    # -----------------------------------------------------------------------------------------
+
+    def served_against_in_process(self, one) -> None:
+        sampler = InProcessSampler(threads=1)
+        rows = ["| work | path | samples/s (median) | speed / in-process, per round |", "|---|---|---|---|"]
+        try:
+            for label, fields in (("light", LIGHT), ("heavy: all latents + debug", HEAVY)):
+                body = request(64, **fields)
+                times = take_turns(
+                    {
+                        "in-process": lambda: sampler.run(body, ONE_REPLICA["max_batch_size"]),
+                        "handle": lambda: one.generate.remote(body).result().batch(),
+                        "HTTP msgpack": lambda: post_msgpack(self.session, self.url("one"), body),
+                    },
+                    self.rounds,
+                )
+                ratios = speed_ratios(times, "in-process")
+                for path, series in times.items():
+                    rate = 64 / Spread(tuple(series)).median
+                    rows.append(f"| {label} | {path} | {rate:.2f} | {ratios[path] if path in ratios else ''} |")
+                kind = label.split(":")[0]
+                self.targets.append((f"handle / in-process, {kind}", f"{ratios['handle']}", ">= 0.97" if kind == "light" else ">= 0.95"))
+                self.targets.append((f"HTTP msgpack / in-process, {kind}", f"{ratios['HTTP msgpack']}", ">= 0.97" if kind == "light" else ">= 0.93"))
+        finally:
+            sampler.close()
+        self.section(
+            "Served paths against the library alone",
+            f"64 samples (8 prompts x 8), {STEPS} SDE steps, one worker replica with 1 torch thread and batches "
+            "of 32; the library alone runs the same plan in a separate process with 1 torch thread. Light: "
+            "images and log-probs; heavy: also all 21 latents and the debug tensors. The handle path ends "
+            "with `RolloutResult.batch()` in this process, the HTTP path with the decoded msgpack body.",
+            "",
+            *rows,
+        )
+
+    def worker_results(self, one) -> None:
+        body = request(16, **LIGHT)
+        parts = one.generate.remote(body).result().worker_results()
+        stored = stored_bytes(parts) / 16
+        sent = len(msgpack_body(self.session, self.url("one"), body)) / 16
+        handle_tensors = tensor_bytes(RolloutBatch.concat([part.batch for part in parts])) / 16
+        self.targets.append(
+            ("worker result bytes per sample, light request", f"{stored / 1e3:.2f} KB (HTTP body {sent / 1e3:.2f} KB)",
+             "what the response uses, +10%")
+        )
+        self.section(
+            "Worker results of a light request",
+            "A 16-sample request with no trajectory and no debug tensors. Stored: what Ray keeps for the worker's "
+            "answer (pickle plus out-of-band buffers). The handle's answer is the `RolloutBatch` itself, whose "
+            "tensors are the image, `final_latents`, the log-probs and an empty trajectory; the HTTP body "
+            "leaves out `final_latents`.",
+            "",
+            "| per sample | bytes |",
+            "|---|---|",
+            f"| stored worker result | {stored:.0f} |",
+            f"| tensors of the handle's `RolloutBatch` | {handle_tensors:.0f} |",
+            f"| HTTP msgpack body | {sent:.0f} |",
+        )
+
+    def batch_transport(self, one) -> None:
+        body = request(256, prompts=32, **LIGHT, rollout_return_dit_trajectory=True)
+        result = one.generate.remote(body).result()
+        batch = result.batch()
+        size = tensor_bytes(batch)
+        tensors = own_tensors(batch)
+        times = take_turns({"batch()": result.batch, "per-tensor pickling": lambda: pickle_round_trip(tensors)}, self.rounds)
+        speedup = speed_ratios(times, "per-tensor pickling")["batch()"]
+        rate = Spread(tuple(size / t / 1e9 for t in times["batch()"]))
+        old = Spread(tuple(size / t / 1e9 for t in times["per-tensor pickling"]))
+        self.targets.append(("`.batch()` of 256 samples with full trajectories", f"{rate} GB/s, {speedup}x per-tensor pickling", ">= 4x faster, no copies"))
+        self.section(
+            "`RolloutResult.batch()` with full trajectories",
+            f"256 samples with all {STEPS + 1} latents ({size / 1e6:.1f} MB of tensors) from one worker replica: "
+            "`batch()` fetches the worker results from the object store and joins them. Each field crosses as one "
+            "stacked numpy buffer that Ray maps without a copy. For comparison, the same tensors pickled one at a "
+            "time (how batches crossed before).",
+            "",
+            "| path | GB/s |",
+            "|---|---|",
+            f"| `batch()` | {rate} |",
+            f"| per-tensor pickling round trip | {old} |",
+            f"| `batch()` speed / per-tensor pickling | {speedup} |",
+        )
+
+    def replicas(self, one, two) -> None:
+        body = request(64, **LIGHT)
+        times = take_turns(
+            {"1 replica": lambda: one.generate.remote(body).result().batch(),
+             "2 replicas": lambda: two.generate.remote(body).result().batch()},
+            self.rounds,
+        )
+        ratio = speed_ratios(times, "1 replica")["2 replicas"]
+        self.section(
+            "One worker replica against two",
+            f"A light 64-sample request through the handle, each replica with 1 torch thread, on {os.cpu_count()} cores.",
+            "",
+            "| replicas | samples/s (median) |",
+            "|---|---|",
+            *(f"| {name} | {64 / Spread(tuple(t)).median:.2f} |" for name, t in times.items()),
+            f"| speed of 2 / speed of 1 | {ratio} |",
+        )
+
+    def burst(self, default) -> None:
+        calls: list[list[int]] = []
+
+        def one_request():
+            default.generate.remote({**LIGHT, "prompt": "3", "num_outputs_per_prompt": 16}).result().batch()
+
+        def sixteen_requests():
+            responses = [default.generate.remote({**LIGHT, "prompt": "3", "seed": i}) for i in range(16)]
+            parts = [part for r in responses for part in r.result().worker_results()]
+            calls.append(sorted(part.sampler_batch_size for part in parts))
+
+        times = take_turns({"one 16-sample request": one_request, "16 one-sample requests": sixteen_requests}, self.rounds)
+        ratio = speed_ratios(times, "one 16-sample request")["16 one-sample requests"]
+        self.targets.append(("16 concurrent one-sample requests / one 16-sample request (default app)", f"{ratio}", ">= 0.90"))
+        sizes = ", ".join("/".join(map(str, sorted(set(c)))) for c in calls[1:])
+        self.section(
+            "A burst of one-sample requests against one request",
+            "The default application (2 worker replicas). 16 one-sample requests sent at once through the handle "
+            "against the same 16 samples as one request.",
+            "",
+            "| figure | value |",
+            "|---|---|",
+            f"| speed of the burst / speed of one request | {ratio} |",
+            f"| sampler call sizes the burst's samples saw, per round | {sizes} |",
+        )
+
+    def clients(self) -> None:
+        rows = ["| clients | requests | samples/s | p50 latency (s) | p99 latency (s) |", "|---|---|---|---|---|"]
+        body = {**LIGHT, "prompt": "3"}
+        for clients in (1, 4, 16, 64):
+            per_client = max(2, 8 // clients)
+            load = concurrent_clients(self.url("default"), body, clients, per_client)
+            rows.append(f"| {clients} | {clients * per_client} | {load.samples_per_s:.2f} | {load.p50_s:.3f} | {load.p99_s:.3f} |")
+        self.section(
+            "Concurrent HTTP clients",
+            "Each client sends one-sample light requests back to back (as SGLang clients send), msgpack "
+            "responses, against the default application. A lone request waits up to `batch_wait_timeout_s` "
+            "(0.25 s) for others to fill its micro-batch.",
+            "",
+            *rows,
+        )
+
+    def payload_bytes(self) -> None:
+        pipeline = load_pipeline()
+        variants = {
+            "light": request(8, **LIGHT),
+            f"full trajectory ({STEPS + 1} latents)": request(8, **LIGHT, rollout_return_dit_trajectory=True),
+            "SDE window: 2 of 10 steps, 3 latents": request(
+                8, **{**LIGHT, "num_inference_steps": 10}, rollout_sde_step_indices=[3, 4], rollout_return_step_indices=[3, 4, 5]
+            ),
+            "debug": request(8, **{**LIGHT, "rollout_debug_mode": True}),
+        }
+        rows = ["| response | msgpack bytes/sample | JSON bytes/sample |", "|---|---|---|"]
+        for label, body in variants.items():
+            plan = plan_rollout(RolloutRequest(**body), RequestLimits())
+            work = next(iter(plan.work(plan.num_samples)))
+            batch = sample(pipeline, work.prompts, work.seeds, work.options, work.negative_prompts)
+            answer = response_rows(plan, batch, inference_time_s=0.0)
+            rows.append(f"| {label} | {len(to_msgpack(answer)) / 8:.0f} | {len(to_json(answer)) / 8:.0f} |")
+        self.section(
+            "Response bytes per sample",
+            f"8 samples of the embedded model (16x16 images, 1x16x16 latents), {STEPS} steps unless stated.",
+            "",
+            *rows,
+        )
+
+    def codec(self) -> None:
+        rows = ["| body | MB | `to_msgpack` / copy | `from_msgpack` / copy |", "|---|---|---|---|"]
+        for label, body, target in (
+            ("real-size: 8 samples, 512x512, 11 latents + 10-step debug of 16x64x64", codec.real_size_rows(), "<= 4x each way"),
+            ("digits: 16 samples, trajectory + debug + env", codec.digits_rows(), "<= 40x each way"),
+        ):
+            per_round = [codec.ratios(body, repeat=3) for _ in range(self.rounds)]
+            encode = Spread(tuple(r["encode_over_copy"] for r in per_round))
+            decode = Spread(tuple(r["decode_over_copy"] for r in per_round))
+            rows.append(f"| {label} | {per_round[0]['bytes'] / 1e6:.1f} | {encode:.1f} | {decode:.1f} |")
+            self.targets.append((f"codec, {label.split(':')[0]}: encode / decode over a copy", f"{encode:.1f} / {decode:.1f}", target))
+        self.section(
+            "Wire codec against a plain copy",
+            "Each round: the best of 3 timings of encoding (decoding) the body, over the best time of "
+            "`torch.clone` of a uint8 tensor as large as the body.",
+            "",
+            *rows,
+        )
+
+    def schedule(self, png: Path) -> None:
+        rows, figures = schedule_exactness.measure()
+        schedule_exactness.plot(figures, png)
+        self.section(
+            "Schedule exactness: `timesteps / 1000` against the returned sigmas",
+            *schedule_exactness.table(rows),
+            "",
+            f"![fraction of steps whose rebuilt sigma differs]({png.name})",
+        )
+
+    def write(self, path: Path, elapsed_s: float) -> None:
+        machine = f"{platform.machine()}, {os.cpu_count()} cores"
+        versions = f"Python {platform.python_version()}, torch {torch.__version__}, diffusers {diffusers.__version__}, ray {ray.__version__}"
+        head = [
+            "# Benchmarks",
+            "",
+            f"Command: `.venv/bin/python -m benchmarks --rounds {self.rounds}` ({elapsed_s / 60:.1f} min).  ",
+            f"Machine: {machine}; {versions}.  ",
+            f"Date: {datetime.date.today().isoformat()}. Figures are median (min - max) over {self.rounds} rounds "
+            "taken in turns after a warm-up.",
+            "",
+            "## Summary",
+            "",
+            "| figure | measured | target |",
+            "|---|---|---|",
+            *(f"| {figure} | {measured} | {target} |" for figure, measured, target in self.targets),
+        ]
+        path.write_text("\n".join(head + self.lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--output", type=Path, default=Path("docs/benchmarks.md"))
+    args = parser.parse_args()
+    start = datetime.datetime.now()
+    suite = Suite(args.rounds, args.port)
+    torch.set_num_threads(1)
+    suite.payload_bytes()
+    suite.codec()
+    suite.schedule(args.output.parent / "schedule_exactness.png")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    try:
+        one = suite.deploy("one", ONE_REPLICA)
+        two = suite.deploy("two", TWO_REPLICAS)
+        default = suite.deploy("default", {})
+        suite.served_against_in_process(one)
+        suite.worker_results(one)
+        suite.batch_transport(one)
+        suite.replicas(one, two)
+        suite.burst(default)
+        suite.clients()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    suite.write(args.output, (datetime.datetime.now() - start).total_seconds())
+
+
+if __name__ == "__main__":
+    main()
