@@ -1,8 +1,11 @@
-# The two commands of the README: `make demo` and `make test`. Each sets up .venv first.
+# The README's commands: `make demo`, `make test` and `make serve`. Each sets up .venv first.
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
+# Ray's switch for a cluster of one machine (the default on macOS and Windows): the node's IP is
+# 127.0.0.1, so Ray's own servers listen on loopback. Every target here runs Ray on this machine only.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
-.PHONY: setup demo test
+.PHONY: setup demo test serve
 setup:
 	VENV=$(VENV) scripts/setup.sh
 
@@ -11,3 +14,7 @@ demo: setup
 
 test: setup
 	$(PYTHON) -m pytest
+
+# make serve ARGS="num_worker_replicas=1": the app config's fields, as `serve run` takes them.
+serve: setup
+	$(PYTHON) scripts/serve_local.py $(ARGS)

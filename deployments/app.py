@@ -1,6 +1,7 @@
 """Builds the Serve application: `serve run --name rollout deployments.app:build_app` serves the
 embedded model as the application "rollout" (without --name, Serve names it "default").
 
+    make serve                                                                 # the same, Ray on loopback (README)
     serve run --name rollout deployments.app:build_app                         # 127.0.0.1:8000
     serve run --name rollout deployments.app:build_app num_worker_replicas=1   # key=value args
     serve run deployments/serve_config.yaml                                    # from a config file
@@ -21,6 +22,13 @@ from deployments.routing import FewestSamplesRouter
 from deployments.weights import WeightCoordinator
 from deployments.worker import RolloutWorker
 
+# Serve checks a stopping replica for requests in flight every 2 s by default, and stops the three
+# deployments one after the other, so each took at least 2 s of a Ctrl-C's wait.
+SHUTDOWN_CHECK_PERIOD_S = 0.2
+# The coordinator's requests in flight at shutdown are the workers' 10 s long polls, which nobody
+# waits for once the application stops; Serve's default drain kept `serve run` up 10 s longer.
+COORDINATOR_SHUTDOWN_TIMEOUT_S = 0.2
+
 
 def _worker_gpus(config: RolloutAppConfig) -> float:
     if config.worker_num_gpus is not None:
@@ -33,18 +41,23 @@ def _worker_gpus(config: RolloutAppConfig) -> float:
 def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Application:
     """The ingress bound to `num_worker_replicas` workers; `args` is validated as `RolloutAppConfig`."""
     config = args if isinstance(args, RolloutAppConfig) else RolloutAppConfig.model_validate(args or {})
-    coordinator = WeightCoordinator.bind(
-        config.weight_version, config.allowed_weight_paths, config.weight_update_timeout_s
-    )
+    drain = {"graceful_shutdown_wait_loop_s": SHUTDOWN_CHECK_PERIOD_S}
+    coordinator = WeightCoordinator.options(
+        graceful_shutdown_timeout_s=COORDINATOR_SHUTDOWN_TIMEOUT_S, **drain
+    ).bind(config.weight_version, config.allowed_weight_paths, config.weight_update_timeout_s)
     worker = RolloutWorker.options(
         num_replicas=config.num_worker_replicas,
         max_ongoing_requests=config.max_ongoing_requests_per_worker(),
         max_replicas_per_node=config.worker_max_replicas_per_node,
         request_router_config=RequestRouterConfig(request_router_class=FewestSamplesRouter),
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        **drain,
         ray_actor_options={"num_cpus": config.worker_num_cpus, "num_gpus": _worker_gpus(config)},
     ).bind(config, coordinator)
     ingress = RolloutIngress.options(
         max_ongoing_requests=config.ingress_max_ongoing_requests,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        **drain,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
     )
     return ingress.bind(worker, coordinator, config)

@@ -15,9 +15,11 @@ generators), so a sample's bits do not depend on which requests it was sampled w
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from deployments.errors import DeadlineExceededError
 from rollout.api import SamplingWork
 from rollout.options import SamplingOptions
 
@@ -106,7 +108,12 @@ class SamplingQueue:
 
     def _take_group(self) -> list[_Waiting]:
         """The oldest waiting work and all later work with its options, up to `max_samples`."""
-        self._waiting = [w for w in self._waiting if not w.result.done()]  # drop cancelled requests
+        now = time.time()
+        for waiting in self._waiting:
+            deadline = waiting.work.deadline
+            if deadline is not None and deadline < now and not waiting.result.done():
+                waiting.result.set_exception(DeadlineExceededError(f"the deadline passed {now - deadline:.1f} s before sampling"))
+        self._waiting = [w for w in self._waiting if not w.result.done()]  # drop cancelled and expired work
         if not self._waiting:
             return []
         options = self._waiting[0].work.options

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from deployments.auth import AUTH_TOKEN_ENV, token_from_environment
 from rollout.api import RequestLimits, RequestValidation
 from rollout.models.base import MicroBatching
 from rollout.models.registry import EMBEDDED_MODEL
@@ -53,6 +54,13 @@ class RolloutAppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     app_name: str = Field("rollout", description="Serve application name, for `serve.get_app_handle`.")
+    # A SecretStr, so the token shows as '**********' in a repr, a log line or a dump of the config.
+    auth_token: SecretStr | None = Field(
+        default_factory=token_from_environment,
+        min_length=1,
+        description="Bearer token every HTTP route except /liveness requires (401 without it); the handle "
+        f"needs none. Unset: {AUTH_TOKEN_ENV} from the environment of the process that builds the app, if set.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     served_model_name: str | None = Field(
         None, description="Name reported by `/v1/models` and `/server_info`; None: the model's name."
@@ -75,6 +83,14 @@ class RolloutAppConfig(BaseModel):
         None, ge=1, description="Most worker replicas on one node (1 spreads them over the nodes); None: no limit."
     )
     ingress_num_cpus: float = Field(0.25, gt=0, description="CPUs the ingress replica reserves.")
+    # Serve's default is 20 s. `serve run`'s Ctrl-C stops the ingress, then the workers, then takes
+    # 5-6 s more to exit here: it exited in 8.3-8.8 s with work cut at both (9.0-9.2 s at 2 s).
+    graceful_shutdown_timeout_s: float = Field(
+        1.5,
+        ge=0,
+        description="How long a stopping ingress or worker replica (Ctrl-C, serve.delete, a redeploy) keeps "
+        "serving its requests in flight before Serve kills it.",
+    )
     # The ingress only plans requests and awaits the workers, so it takes many at once: Serve's
     # default of 5 queued concurrent one-sample requests behind each other, so they reached the
     # workers in waves and could not share sampler calls.
@@ -86,6 +102,18 @@ class RolloutAppConfig(BaseModel):
     # this wait only lets requests sent together reach an idle worker together.
     batch_wait_timeout_s: float = Field(
         0.25, ge=0, description="How long an idle worker waits for concurrent work to fill its micro-batches."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds a request may take unless it gives rollout_timeout_s; then HTTP 504."
+    )
+    worker_retry_attempts: int = Field(
+        3, ge=1, description="Tries of a request's part whose worker replica dies (sampling is seeded: same bits)."
+    )
+    max_queued_samples: int | None = Field(
+        None,
+        ge=1,
+        description="Samples admitted and not yet sampled beyond which requests are refused with 503 (HTTP) "
+        "or OverloadedError (handle); None: 4 full batches per worker replica.",
     )
     limits: RequestLimits = Field(default_factory=RequestLimits)
     # Checked before a body is read (its Content-Length) and while it is read (a chunked body), so a
@@ -104,6 +132,9 @@ class RolloutAppConfig(BaseModel):
         description="strict: refuse unknown request fields and mistyped values (422, naming the field). "
         "sglang: SGLang's lenient pydantic, which drops unknown fields and coerces values where it can.",
     )
+
+    def queued_samples_limit(self) -> int:
+        return self.max_queued_samples or 4 * self.num_worker_replicas * self.max_batch_size
 
     def max_ongoing_requests_per_worker(self) -> int:
         # Serve caps a replica's batch at its ongoing requests: allow a full batch of

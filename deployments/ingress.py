@@ -19,9 +19,19 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from ray.serve.schema import ReplicaState
 
 from deployments import discovery
+from deployments.auth import require_bearer_token
 from deployments.config import RolloutAppConfig
+from deployments.errors import (
+    DeadlineExceededError,
+    OverloadedError,
+    ServiceUnavailableError,
+    WorkerLostError,
+    error_response,
+)
+from deployments.load import outstanding_samples
 from deployments.worker import WorkerResult
 from deployments.weights import (
     DiskSource,
@@ -34,6 +44,7 @@ from deployments.weights import (
 from rollout.api import (
     RolloutPlan,
     RolloutRequest,
+    SamplingWork,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromTensorRequest,
     WeightsChecksumRequest,
@@ -49,8 +60,14 @@ from rollout.trajectory import RolloutBatch
 
 logger = logging.getLogger("ray.serve")
 MSGPACK = "application/msgpack"
+HEALTH_TTL_S = 1.0
 
 app = FastAPI(title="diffusion rollout server")
+require_bearer_token(app)
+
+
+# What a lost worker replica (or a lost ingress, which owned the references) looks like to a caller.
+_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 
 
 @dataclass(frozen=True)
@@ -60,24 +77,54 @@ class RolloutResult:
     The ingress never unpacks a worker's tensors on this path; `batch()` fetches the parts
     straight from the workers and joins them into one `RolloutBatch` (one schedule, samples in
     request order, sample i of prompt i // num_outputs_per_prompt).
+
+    A part whose worker replica died, or whose reference died with the ingress replica that
+    owned it, is sampled again through `worker` by whoever fetches it: sampling is seeded, so the
+    samples are bit-identical. After `max_attempts` tries, `WorkerLostError` (retryable).
     """
 
     request_id: str
     seed: int
     num_outputs_per_prompt: int
     parts: list[ray.ObjectRef]
+    works: list[SamplingWork]
+    worker: DeploymentHandle
+    max_attempts: int
 
     def worker_results(self, timeout_s: float | None = None) -> list[WorkerResult]:
-        return ray.get(self.parts, timeout=timeout_s)
+        return [self._fetched(ref, work, timeout_s) for ref, work in zip(self.parts, self.works)]
 
     async def worker_results_async(self) -> list[WorkerResult]:
-        return list(await asyncio.gather(*self.parts))
+        return list(await asyncio.gather(*(self._fetched_async(ref, work) for ref, work in zip(self.parts, self.works))))
 
     def batch(self, timeout_s: float | None = None) -> RolloutBatch:
         return _joined_batch(self.worker_results(timeout_s))
 
     async def batch_async(self) -> RolloutBatch:
         return _joined_batch(await self.worker_results_async())
+
+    def _fetched(self, ref: ray.ObjectRef, work: SamplingWork, timeout_s: float | None) -> WorkerResult:
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return ray.get(ref, timeout=timeout_s)
+            except _LOST as error:
+                self._give_up_after(attempt, error)
+            ref = self.worker.generate.remote(work)._to_object_ref_sync()
+
+    async def _fetched_async(self, ref: ray.ObjectRef, work: SamplingWork) -> WorkerResult:
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return await ref
+            except _LOST as error:
+                self._give_up_after(attempt, error)
+            ref = await self.worker.generate.remote(work)._to_object_ref()
+
+    def _give_up_after(self, attempt: int, error: Exception) -> None:
+        logger.warning("request %s: a part was lost (%s), attempt %d of %d", self.request_id, type(error).__name__, attempt, self.max_attempts)
+        if attempt == self.max_attempts:
+            raise WorkerLostError(
+                f"the worker replicas sampling this request were lost {attempt} times; send it again"
+            ) from None
 
 
 class BodyTooLargeError(FieldError):
@@ -110,14 +157,21 @@ def _weights_refusal(error: Exception) -> JSONResponse:
     return JSONResponse(status_code=status, content={"success": False, "message": message})
 
 
+async def _within_deadline(result: RolloutResult) -> list[WorkerResult]:
+    """The result's parts, fetched by the ingress; if the deadline passes or the client goes away
+    (Serve then cancels this request), the parts still queued on the workers are cancelled."""
+    try:
+        return await asyncio.wait_for(result.worker_results_async(), max(0.0, result.works[0].deadline - time.time()))
+    except BaseException as error:
+        for ref in result.parts:
+            ray.cancel(ref)
+        if isinstance(error, asyncio.TimeoutError):
+            raise DeadlineExceededError("the request's deadline passed (rollout_timeout_s or request_timeout_s)") from None
+        raise
+
+
 def _joined_batch(parts: list[WorkerResult]) -> RolloutBatch:
     return RolloutBatch.concat([part.batch for part in parts])
-
-
-def _error_response(status: int, field: str, message: str, detail: Any) -> JSONResponse:
-    """SGLang's `detail` (FastAPI's error body) beside this server's field-naming `error`."""
-    content = {"detail": detail, "error": {"field": field, "message": message}}
-    return JSONResponse(status_code=status, content=content)
 
 
 def _rollout_error_response(error: RolloutError) -> JSONResponse:
@@ -125,16 +179,28 @@ def _rollout_error_response(error: RolloutError) -> JSONResponse:
     statuses); 413 for a body over the size limit; 409 for a request that requires other weights;
     503 while the memory is released."""
     if isinstance(error, BodyTooLargeError):
-        return _error_response(413, error.field, str(error), str(error))
+        return error_response(413, error.field, str(error), str(error))
     if isinstance(error, RequestSchemaError):
-        return _error_response(422, error.field, str(error), error.errors)
+        return error_response(422, error.field, str(error), error.errors)
     if isinstance(error, InvalidRequestError):
-        return _error_response(400, error.field, str(error), f"Invalid sampling params: {error}")
+        return error_response(400, error.field, str(error), f"Invalid sampling params: {error}")
     if isinstance(error, WeightVersionError):
-        return _error_response(409, error.field, str(error), str(error))
+        return error_response(409, error.field, str(error), str(error))
     if isinstance(error, MemoryReleasedError):
-        return _error_response(503, "", str(error), "Server is sleeping. Call resume_memory_occupation first.")
-    return _error_response(500, "", str(error), f"Generation failed: {error}")
+        return error_response(503, "", str(error), "Server is sleeping. Call resume_memory_occupation first.")
+    if isinstance(error, DeadlineExceededError):
+        return error_response(504, "rollout_timeout_s", str(error), str(error))
+    if isinstance(error, ServiceUnavailableError):
+        retry_after = {"Retry-After": str(error.retry_after_s)}
+        return error_response(503, "", str(error), f"Service unavailable: {error}", retry_after)
+    return error_response(500, "", str(error), f"Generation failed: {error}")
+
+
+def _internal_error_response(request_id: str) -> JSONResponse:
+    """A failure this server did not expect: logged in full, answered without internals (actor ids,
+    addresses, tracebacks)."""
+    message = f"internal error while serving request {request_id}; the server log has the details"
+    return error_response(500, "", message, f"Generation failed: {message}")
 
 
 def _raise_unless_applied(result: UpdateResult) -> UpdateResult:
@@ -169,6 +235,9 @@ class RolloutIngress:
         self.config = config
         self._worker_info: dict | None = None
         self._started = int(time.time())
+        self._routing_samples = 0  # admitted, not yet placed on a worker replica
+        self._workers_checked_at = -math.inf
+        self._running = 0
 
     def _plan(self, request: RolloutRequest | dict[str, Any]) -> RolloutPlan:
         validation = self.config.request_validation
@@ -177,21 +246,37 @@ class RolloutIngress:
             logger.warning("ignoring unknown request fields %s", [clip(name) for name in ignored[:10]])
         return plan_rollout(parse_request(request, validation), self.config.limits)
 
-    async def _dispatch(self, plan: RolloutPlan) -> list[ray.ObjectRef]:
+    def _admit(self, samples: int) -> None:
+        """Counts `samples` as queued, or refuses them if the queue would pass its limit (a request
+        larger than the limit is still admitted to an empty queue)."""
+        queued = outstanding_samples() + self._routing_samples
+        limit = self.config.queued_samples_limit()
+        if queued and queued + samples > limit:
+            raise OverloadedError(
+                f"{queued} samples are queued and this request adds {samples}, over the limit of {limit} "
+                "(max_queued_samples in the app config); send it again shortly"
+            )
+        self._routing_samples += samples
+
+    async def _result(self, plan: RolloutPlan) -> RolloutResult:
         """Sends the plan's work to the workers; references to their results, in sample order."""
         # Chunks small enough that every replica gets a share, and no larger than a worker batch.
         per_replica = math.ceil(plan.num_samples / self.config.num_worker_replicas)
         chunk_size = max(1, min(self.config.max_batch_size, per_replica))
+        timeout_s = plan.request.rollout_timeout_s or self.config.request_timeout_s
+        works = list(plan.work(chunk_size, deadline=time.time() + timeout_s))
+        self._admit(plan.num_samples)
         refs = []
-        for work in plan.work(chunk_size):
-            # Waiting for each chunk's replica assignment lets the router see that replica's
-            # new load before it places the next chunk, which spreads a request's chunks.
-            refs.append(await self.worker.generate.remote(work)._to_object_ref())
-        return refs
-
-    async def _result(self, plan: RolloutPlan) -> RolloutResult:
-        parts = await self._dispatch(plan)
-        return RolloutResult(plan.request_id, plan.seed, plan.num_outputs_per_prompt, parts)
+        try:
+            for work in works:
+                # Waiting for each chunk's replica assignment lets the router see that replica's
+                # new load before it places the next chunk, which spreads a request's chunks.
+                refs.append(await self.worker.generate.remote(work)._to_object_ref())
+                self._routing_samples -= len(work)  # the router counts them from here on
+        finally:
+            self._routing_samples -= sum(len(work) for work in works[len(refs):])
+        attempts = self.config.worker_retry_attempts
+        return RolloutResult(plan.request_id, plan.seed, plan.num_outputs_per_prompt, refs, works, self.worker, attempts)
 
     async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
         """Handle API: validates and fans out; raises `InvalidRequestError` naming a bad field."""
@@ -243,10 +328,28 @@ class RolloutIngress:
             "max_batch_size": self.config.max_batch_size,
         }
 
-    @app.get("/health")
-    @app.get("/liveness")  # SGLang's name
-    async def health(self) -> dict:
+    @app.get("/liveness")  # SGLang's name: the process answers
+    async def liveness(self) -> dict:
         return {"status": "ok"}
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        """Whether requests can be served: some worker replica runs (a replica whose pipeline
+        broke fails Serve's health check and stops counting). Answered from a status read at most
+        `HEALTH_TTL_S` ago, so that it stays fast under any load."""
+        running = await self._running_workers()
+        if running == 0:
+            return JSONResponse(status_code=503, content={"status": "unhealthy", "reason": "no worker replica is running"})
+        return JSONResponse({"status": "ok", "worker_replicas_running": running})
+
+    async def _running_workers(self) -> int:
+        now = time.monotonic()
+        if now - self._workers_checked_at > HEALTH_TTL_S:
+            self._workers_checked_at = now
+            status = await asyncio.to_thread(serve.status)
+            workers = status.applications[serve.get_replica_context().app_name].deployments["RolloutWorker"]
+            self._running = workers.replica_states.get(ReplicaState.RUNNING, 0)
+        return self._running
 
     @app.get("/rollout/info")
     async def http_info(self) -> dict:
@@ -324,22 +427,23 @@ class RolloutIngress:
     @app.post("/rollout/generate")
     async def http_generate(self, http_request: Request) -> Response:
         start = time.perf_counter()
+        plan = None
         try:
             plan = self._plan(await _json_body(http_request, self.config))
             result = await self._result(plan)
-            parts = await result.worker_results_async()
+            parts = await _within_deadline(result)
             batch = _joined_batch(parts)
         except CodecError as error:
             # FastAPI answers a body that does not parse with 422, and so does SGLang.
             detail = [{"type": "json_invalid", "loc": ["body"], "msg": str(error)}]
-            return _error_response(422, "body", str(error), detail)
+            return error_response(422, "body", str(error), detail)
         except Exception as error:
             rollout_error = _as_rollout_error(error)
             if rollout_error is not None:
                 return _rollout_error_response(rollout_error)
-            logger.exception("rollout request failed")
-            message = f"{type(error).__name__}: {error}"
-            return _error_response(500, "", message, f"Generation failed: {message}")
+            request_id = plan.request_id if plan is not None else "(not planned)"
+            logger.exception("rollout request %s failed", request_id)
+            return _internal_error_response(request_id)
         peak_memory_mb = max((p.peak_memory_mb for p in parts if p.peak_memory_mb is not None), default=None)
         rows = response_rows(plan, batch, time.perf_counter() - start, peak_memory_mb)
         if "application/json" in http_request.headers.get("accept", ""):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments import load
 from rollout.api import SamplingWork
 
 # A reservation whose request was neither accepted nor cancelled by then (a replica refused it
@@ -48,6 +49,8 @@ class FewestSamplesRouter(FIFOMixin, RequestRouter):
         # what was sent is kept per (id, replica).
         self._sent: dict[tuple[str, ReplicaID], list[int]] = {}
         self._reserved: dict[int, _Reservation] = {}
+        self.outstanding_total = 0
+        load.register(self)  # the ingress's measure of queued work (`_admit`)
 
     def _load(self) -> dict[ReplicaID, int]:
         now = time.monotonic()
@@ -80,18 +83,21 @@ class FewestSamplesRouter(FIFOMixin, RequestRouter):
         self._reserved.pop(id(pending_request), None)
         samples = _samples(pending_request)
         self._outstanding[replica_id] = self._outstanding.get(replica_id, 0) + samples
+        self.outstanding_total += samples
         self._sent.setdefault((pending_request.metadata.internal_request_id, replica_id), []).append(samples)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         sent = self._sent.get((internal_request_id, replica_id))
         if not sent:
             return
-        self._outstanding[replica_id] -= sent.pop()
+        samples = sent.pop()
+        self._outstanding[replica_id] -= samples
+        self.outstanding_total -= samples
         if not sent:
             del self._sent[(internal_request_id, replica_id)]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._outstanding.pop(replica_id, None)
+        self.outstanding_total -= self._outstanding.pop(replica_id, 0)
         self._sent = {key: sent for key, sent in self._sent.items() if key[1] != replica_id}
         self._reserved = {key: r for key, r in self._reserved.items() if r.replica_id != replica_id}

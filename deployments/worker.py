@@ -24,6 +24,7 @@ from rollout.sampler import micro_batch_size, resolve_options, sample
 from rollout.trajectory import RolloutBatch
 
 logger = logging.getLogger("ray.serve")
+BROKEN_AFTER_FAILED_CALLS = 3
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class RolloutWorker:
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
+        self._failed_calls_in_a_row = 0
         self._queue = SamplingQueue(
             self._sample_on_thread,
             lambda options: micro_batch_size(self.pipeline, resolve_options(self.pipeline, options)),
@@ -95,6 +97,13 @@ class RolloutWorker:
 
     async def _on_sampling_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._sampling_thread, fn, *args)
+
+    def check_health(self) -> None:
+        """Serve's periodic check: sampler calls that fail one after the other, whatever the requests,
+        mean a broken pipeline (a device error, weights gone bad). Serve then replaces the replica;
+        meanwhile `/health` stops counting it."""
+        if self._failed_calls_in_a_row >= BROKEN_AFTER_FAILED_CALLS:
+            raise RuntimeError(f"the last {self._failed_calls_in_a_row} sampler calls failed")
 
     def info(self) -> dict:
         scheduler = self.pipeline.scheduler
@@ -150,9 +159,11 @@ class RolloutWorker:
             )
         except Exception as error:  # reported to each request of the group, the others go on
             logger.exception("sampling failed for %d requests", len(group))
+            self._failed_calls_in_a_row += 1
             for i in servable:
                 results[i] = error
             return results
+        self._failed_calls_in_a_row = 0
         elapsed = time.perf_counter() - start
         offset = 0
         for i, work in zip(servable, group):

@@ -83,6 +83,12 @@ class RolloutRequest(BaseModel):
     weight_version: str | None = Field(
         None, description="(extension) The weights the request requires; a replica serving others refuses it."
     )
+    rollout_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="(extension) Seconds the request may take; past them it fails (HTTP 504) and its work still "
+        "queued is dropped. Default: the app's request_timeout_s.",
+    )
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
@@ -232,6 +238,7 @@ class SamplingWork:
     seeds: tuple[int, ...]
     options: SamplingOptions
     weight_version: str | None = None  # the weights the request requires; None: whichever are served
+    deadline: float | None = None  # time.time() past which the work is not worth sampling
 
     def __len__(self) -> int:
         return len(self.seeds)
@@ -254,7 +261,7 @@ class RolloutPlan:
     def num_samples(self) -> int:
         return len(self.request.prompts()) * self.num_outputs_per_prompt
 
-    def work(self, chunk_size: int) -> list[SamplingWork]:
+    def work(self, chunk_size: int, deadline: float | None = None) -> list[SamplingWork]:
         """The request's samples in order, cut into pieces of at most `chunk_size`."""
         per_prompt = self.num_outputs_per_prompt
         prompts = [p for p in self.request.prompts() for _ in range(per_prompt)]
@@ -267,6 +274,7 @@ class RolloutPlan:
                 tuple(seeds[start : start + chunk_size]),
                 self.options,
                 self.request.weight_version,
+                deadline,
             )
             for start in range(0, self.num_samples, chunk_size)
         ]

@@ -1,19 +1,26 @@
 """One local Ray cluster and one Serve application for the whole session (a cold start costs
 several seconds here)."""
 
+import os
 import socket
 
-import pytest
-import ray
-import requests
-from ray import serve
+# Ray's switch for a cluster of one machine (named for the platforms where it is the default): the
+# node's IP is 127.0.0.1, so Ray's servers listen on loopback. Ray reads it when it is imported, and
+# pytest loads this file before any test module.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from deployments.app import build_app
+import pytest  # noqa: E402
+import ray  # noqa: E402
+import requests  # noqa: E402
+from ray import serve  # noqa: E402
+
+from deployments.app import build_app  # noqa: E402
 
 APP_NAME = "rollout-test"
 TEST_CONFIG = {
     "app_name": APP_NAME,
     "weight_version": "test-v1",
+    "auth_token": None,  # whatever ROLLOUT_AUTH_TOKEN the shell has
     "num_worker_replicas": 2,
     "worker_num_cpus": 0.5,
     "worker_torch_threads": 1,

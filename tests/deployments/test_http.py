@@ -24,7 +24,8 @@ def fresh_schedule(steps):
 
 
 def test_health_and_info(http, base_url, app_config):
-    assert http.get(f"{base_url}/health").json() == {"status": "ok"}
+    assert http.get(f"{base_url}/health").json() == {"status": "ok", "worker_replicas_running": 2}
+    assert http.get(f"{base_url}/liveness").json() == {"status": "ok"}
     info = http.get(f"{base_url}/rollout/info").json()
     assert info["model"] == "embedded-digits"
     assert info["weight_version"] == app_config["weight_version"]

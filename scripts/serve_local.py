@@ -1,0 +1,46 @@
+"""`serve run --name rollout deployments.app:build_app` for one machine, with safe local defaults:
+Ray's own servers listen on loopback, Serve's HTTP on 127.0.0.1:8000, and Ctrl-C answers the
+requests in flight (for up to the app config's `graceful_shutdown_timeout_s`) before it stops.
+
+    .venv/bin/python scripts/serve_local.py                          # or: make serve
+    .venv/bin/python scripts/serve_local.py num_worker_replicas=1    # the app config's fields, as serve run takes them
+"""
+
+import os
+import sys
+import threading
+
+# Ray's switch for a cluster of one machine (named for the platforms where it is the default): the
+# node's IP is 127.0.0.1, so Ray's servers listen on loopback. Ray reads it when it is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.serve.scripts import convert_args_to_dict  # noqa: E402  (serve run's own key=value parsing)
+
+from deployments.app import build_app  # noqa: E402
+from deployments.config import RolloutAppConfig  # noqa: E402
+
+
+def main() -> None:
+    config = RolloutAppConfig.model_validate(convert_args_to_dict(tuple(sys.argv[1:])))
+    ray.init(address="local")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        print(f"serving application {config.app_name!r} on http://127.0.0.1:8000; Ctrl-C stops it", flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            # serve.shutdown() alone kills the HTTP proxy first, dropping every request in flight;
+            # deleting the application first lets its replicas answer them through the proxy.
+            serve.delete(config.app_name)
+    except KeyboardInterrupt:
+        pass  # while starting: nothing is in flight
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

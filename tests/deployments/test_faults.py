@@ -1,0 +1,197 @@
+"""Replica deaths and overload on a real local cluster: no request fails or hangs, no sample changes.
+
+Each test group has an application of its own (these tests kill its replicas or fill its queue).
+"""
+
+import os
+import signal
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import ray
+import requests
+from ray import serve
+
+from deployments.app import build_app
+from deployments.errors import DeadlineExceededError, OverloadedError, WorkerLostError
+from deployments.ingress import RolloutResult
+from rollout.codec import from_msgpack
+from tests.deployments.conftest import TEST_CONFIG
+
+pytestmark = pytest.mark.faults
+
+STEPS = 6
+
+
+def _deploy(serve_app, name: str, **config) -> SimpleNamespace:
+    handle = serve.run(build_app({**TEST_CONFIG, **config, "app_name": name}), name=name, route_prefix=f"/{name}")
+    return SimpleNamespace(handle=handle, name=name, url=f"{serve_app[1]}/{name}")
+
+
+def _pids(app_name: str, deployment: str) -> list[int]:
+    """Process ids of a deployment's live replicas (asked of the replica actors themselves)."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"]
+    replicas = [ray.get_actor(n, namespace="serve") for n in names if f"::{app_name}#{deployment}#" in n]
+    return ray.get([replica.__ray_call__.remote(lambda self: os.getpid()) for replica in replicas])
+
+
+def _body(i: int, samples: int = 2) -> dict:
+    return {"prompt": str(i % 10), "num_outputs_per_prompt": samples, "num_inference_steps": STEPS, "seed": 100 * i}
+
+
+def _sample_bits(samples) -> list[tuple]:
+    return [(s.seed, s.image.numpy().tobytes(), s.log_probs.numpy().tobytes()) for s in samples]
+
+
+def _row_bits(rows) -> list[tuple]:
+    return [(r["sample_seed"], r["generated_output"].numpy().tobytes(), r["rollout_log_probs"].numpy().tobytes()) for r in rows]
+
+
+def _served(app, session: requests.Session, i: int, over_http: bool) -> list[tuple]:
+    if over_http:
+        response = session.post(f"{app.url}/rollout/generate", json={**_body(i), "rollout_debug_mode": False})
+        assert response.status_code == 200, response.text
+        return _row_bits(from_msgpack(response.content))
+    return _sample_bits(app.handle.generate.remote(_body(i)).result().batch().samples)
+
+
+@pytest.fixture(scope="module")
+def app(serve_app):
+    app = _deploy(serve_app, "faults-test", max_queued_samples=1024)
+    yield app
+    serve.delete(app.name)
+
+
+def test_a_worker_replica_killed_under_load_loses_no_request_and_changes_no_sample(app):
+    requests_ = range(48)
+    with requests.Session() as session:
+        undisturbed = {i: _served(app, session, i, over_http=i % 2 == 0) for i in requests_}
+
+    outcomes: dict[int, object] = {}
+
+    def client(ids):
+        with requests.Session() as session:
+            for i in ids:
+                try:
+                    outcomes[i] = _served(app, session, i, over_http=i % 2 == 0)
+                except Exception as error:  # recorded, and the test fails below naming it
+                    outcomes[i] = error
+
+    clients = [threading.Thread(target=client, args=(requests_[k::8],)) for k in range(8)]
+    for thread in clients:
+        thread.start()
+    time.sleep(2.0)  # the load is running
+    os.kill(_pids(app.name, "RolloutWorker")[0], signal.SIGKILL)
+    for thread in clients:
+        thread.join(timeout=240)
+    assert not any(thread.is_alive() for thread in clients), "a request hung"
+    failed = {i: repr(o) for i, o in outcomes.items() if isinstance(o, Exception)}
+    assert failed == {} and len(outcomes) == len(requests_)
+    assert all(outcomes[i] == undisturbed[i] for i in requests_)
+
+
+def test_results_a_trainer_holds_survive_the_ingress_replica(app):
+    undisturbed = [_sample_bits(app.handle.generate.remote(_body(i, samples=4)).result().batch().samples) for i in (1, 2)]
+    results = [app.handle.generate.remote(_body(i, samples=4)).result() for i in (1, 2)]
+    os.kill(_pids(app.name, "RolloutIngress")[0], signal.SIGKILL)
+    time.sleep(1.0)  # the references the ingress owned are gone with it
+    assert [_sample_bits(r.batch(timeout_s=120).samples) for r in results] == undisturbed
+
+
+def test_a_request_past_its_deadline_is_dropped_and_answered_504(app, http):
+    response = http.post(f"{app.url}/rollout/generate", json={**_body(5), "rollout_timeout_s": 0.001})
+    assert response.status_code == 504 and response.json()["error"]["field"] == "rollout_timeout_s"
+    # Through the handle, the worker drops the expired work before sampling it.
+    with pytest.raises(DeadlineExceededError, match="deadline passed"):
+        app.handle.generate.remote({**_body(5), "rollout_timeout_s": 0.001}).result().batch()
+    assert http.post(f"{app.url}/rollout/generate", json={**_body(5), "rollout_timeout_s": 60}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def small_queue(serve_app):
+    app = _deploy(serve_app, "overload-test", num_worker_replicas=1, max_queued_samples=8)
+    yield app
+    serve.delete(app.name)
+
+
+def test_beyond_its_queue_the_server_sheds_load_quickly_and_recovers(small_queue):
+    app = small_queue
+    outcomes: list[tuple[int, float, dict]] = []
+    health_s: list[float] = []
+    stop = threading.Event()
+
+    def client(i):
+        start = time.perf_counter()
+        response = requests.post(f"{app.url}/rollout/generate", json={**_body(i, samples=4), "rollout_debug_mode": False})
+        headers = dict(response.headers)
+        outcomes.append((response.status_code, time.perf_counter() - start, headers | {"body": response.content}))
+
+    def poll_health():
+        with requests.Session() as session:
+            while not stop.is_set():
+                start = time.perf_counter()
+                assert session.get(f"{app.url}/health", timeout=5).status_code == 200
+                health_s.append(time.perf_counter() - start)
+                time.sleep(0.05)
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(timeout=120)
+    stop.set()
+    poller.join()
+
+    served = [o for o in outcomes if o[0] == 200]
+    shed = [o for o in outcomes if o[0] == 503]
+    assert len(served) + len(shed) == 24 and served and shed
+    assert all(o[2].get("retry-after") == "1" for o in shed)
+    assert all(b"OverloadedError" not in o[2]["body"] and b"max_queued_samples" in o[2]["body"] for o in shed)
+    assert max(o[1] for o in shed) < 2.0  # refused at once, not after waiting
+    assert sorted(health_s)[len(health_s) // 2] < 0.1
+    # Service recovers once the burst is over.
+    again = requests.post(f"{app.url}/rollout/generate", json={**_body(99, samples=4), "rollout_debug_mode": False})
+    assert again.status_code == 200
+
+
+def test_beyond_its_queue_the_handle_raises_a_typed_error(small_queue):
+    body = {**_body(1, samples=8), "num_inference_steps": 50}  # long enough to still be queued
+    responses = [small_queue.handle.generate.remote({**body, "seed": seed}) for seed in (1, 2)]
+    outcomes = []
+    for response in responses:
+        try:
+            outcomes.append(len(response.result().batch().samples))
+        except OverloadedError as error:
+            outcomes.append(error)
+    refused = [o for o in outcomes if isinstance(o, OverloadedError)]
+    assert len(refused) == 1 and 8 in outcomes, outcomes
+    assert "max_queued_samples" in str(refused[0]) and refused[0].retry_after_s == 1
+    assert len(small_queue.handle.generate.remote(body).result().batch().samples) == 8
+
+
+@ray.remote(num_cpus=0)
+class _Doomed:
+    def ping(self) -> int:
+        return 1
+
+
+def test_a_part_lost_on_every_try_is_a_retryable_error(ray_cluster):
+    doomed = _Doomed.remote()
+    ray.kill(doomed)
+    resent = []
+
+    class DeadWorker:  # stands in for the worker deployment handle: every call is lost
+        class generate:
+            @staticmethod
+            def remote(work):
+                resent.append(work)
+                return SimpleNamespace(_to_object_ref_sync=doomed.ping.remote)
+
+    result = RolloutResult("r", 0, 1, [doomed.ping.remote()], ["work"], DeadWorker(), max_attempts=3)
+    with pytest.raises(WorkerLostError, match="lost 3 times") as caught:
+        result.worker_results()
+    assert resent == ["work", "work"] and caught.value.retry_after_s == 1
