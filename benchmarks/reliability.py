@@ -214,7 +214,7 @@ class Probe:
             f"| lost (failed) | {len(failed)} {list(failed.values())[:3] if failed else ''} |",
             f"| hung (client threads still waiting {300:.0f} s after the load) | {hung} |",
             f"| samples that differ from the undisturbed run | {differ} |",
-            f"| load ended after the kill (s) | {time.monotonic() - killed_at:.0f} |",
+            f"| seconds from the kill to the end of the comparison | {time.monotonic() - killed_at:.0f} |",
         )
 
     def requests_500(self, handle) -> None:
