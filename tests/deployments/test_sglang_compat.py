@@ -360,8 +360,8 @@ def test_discovery_endpoints(http, base_url, path):
     elif path == "/v1/models":
         assert info["object"] == "list" and info["data"][0]["id"] == "embedded-digits"
         assert info["data"][0]["object"] == "model"
-    else:
-        assert info == {"status": "ok"}
+    else:  # SGLang's status; /health adds the worker replicas it counted
+        assert info["status"] == "ok"
 
 
 def test_better_than_sglang_where_sglang_fails(http, base_url, accept):
