@@ -43,11 +43,9 @@ class ModelConfig(BaseModel):
             return self.name
         return EMBEDDED_MODEL if self.path is None else Path(self.path).name
 
-    def micro_batching(self) -> MicroBatching | None:
-        if self.micro_batch_size is None and not self.micro_batch_sizes:
-            return None
-        default = self.micro_batch_size or max(self.micro_batch_sizes.values())
-        return MicroBatching.parse(default, self.micro_batch_sizes)
+    def micro_batching(self, model_default: int) -> MicroBatching:
+        """The configured micro-batches; sizes not listed keep `micro_batch_size`, else `model_default`."""
+        return MicroBatching.parse(self.micro_batch_size or model_default, self.micro_batch_sizes)
 
 
 class RolloutAppConfig(BaseModel):

@@ -69,13 +69,8 @@ class RolloutWorker:
         dtype = getattr(torch, config.model.dtype)
         model = config.model
         name, self.model_path = resolve_model(model.name, model.path)
-        self.pipeline = load_pipeline(
-            name,
-            self.model_path,
-            dtype=dtype,
-            micro_batching=model.micro_batching(),
-            max_sequence_length=model.max_sequence_length,
-        )
+        self.pipeline = load_pipeline(name, self.model_path, dtype=dtype, max_sequence_length=model.max_sequence_length)
+        self.pipeline.micro_batching = model.micro_batching(self.pipeline.micro_batching.default)
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()

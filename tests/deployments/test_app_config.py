@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import build_app
-from deployments.config import RolloutAppConfig
+from deployments.config import ModelConfig, RolloutAppConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "deployments").glob("serve_config*.yaml"))
 
@@ -31,3 +31,18 @@ def test_bad_config_names_the_field():
         RolloutAppConfig.model_validate({"num_worker_replicas": 0})
     with pytest.raises(ValidationError, match="unknown_option"):
         RolloutAppConfig.model_validate({"unknown_option": 1})
+
+
+@pytest.mark.parametrize(
+    "model, default, by_size",
+    [
+        ({}, 8, {}),
+        ({"micro_batch_size": 4}, 4, {}),
+        # Sizes not listed keep the model's own micro-batch, not the largest listed one.
+        ({"micro_batch_sizes": {"1024x1024": 2, "512x512": 16}}, 8, {(1024, 1024): 2, (512, 512): 16}),
+        ({"micro_batch_size": 4, "micro_batch_sizes": {"1024x1024": 2}}, 4, {(1024, 1024): 2}),
+    ],
+)
+def test_micro_batches_by_size_fall_back_to_the_configured_else_the_models_default(model, default, by_size):
+    micro_batching = ModelConfig.model_validate(model).micro_batching(model_default=8)
+    assert micro_batching.default == default and dict(micro_batching.by_size) == by_size
