@@ -2,8 +2,8 @@
 
     ray job submit --working-dir . -- python -m deployments.job --prompts prompts.txt --output /data/rollouts
 
-Connects to the cluster's running rollout application (`--app-name`), or deploys one with the
-default configuration if there is none, sends the prompts in requests of `--prompts-per-request`
+Connects to the cluster's running rollout application (`--app-name`; it exits at once, naming
+the applications that do run, if there is none), sends the prompts in requests of `--prompts-per-request`
 with at most `--max-in-flight` requests outstanding, and writes one safetensors shard per request
 plus `index.json` (see `rollout.dataset`). A progress bar counts samples.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from deployments.client import get_or_deploy_app
+from deployments.client import ApplicationNotFoundError, running_app
 from rollout.api import RolloutRequest
 from rollout.dataset import RolloutDatasetWriter
 
@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> None:
 
     prompts = read_prompts(args.prompts)
     ray.init(address="auto", ignore_reinit_error=True)
-    handle = get_or_deploy_app(args.app_name)
+    try:
+        handle = running_app(args.app_name)
+    except ApplicationNotFoundError as error:
+        raise SystemExit(str(error)) from None
 
     per_request = args.prompts_per_request
     requests = [

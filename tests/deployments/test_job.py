@@ -4,9 +4,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from ray.job_submission import JobStatus, JobSubmissionClient
 
+from deployments import job
 from rollout.dataset import load_rollouts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,3 +50,15 @@ def test_job_writes_a_dataset_that_reloads(ray_cluster, serve_app, app_config, t
         for s in batch.samples:
             assert s.log_probs.shape == (4,) and s.latents.shape == (5, 1, 16, 16)
             assert torch.equal(s.latents[-1], s.final_latents)
+
+
+def test_without_the_application_the_job_stops_at_once_naming_the_running_ones(serve_app, app_config, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("7\n")
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as stopped:
+        job.main(["--prompts", str(prompts), "--output", str(tmp_path / "out"), "--app-name", "rollout"])
+    message = str(stopped.value)
+    assert "no Serve application 'rollout'" in message and repr(app_config["app_name"]) in message
+    assert "serve run --name rollout deployments.app:build_app" in message
+    assert time.monotonic() - start < 10 and not (tmp_path / "out").exists()
