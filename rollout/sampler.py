@@ -22,7 +22,6 @@ import torch
 from rollout.errors import InvalidRequestError
 from rollout.models.base import Conditioning, RolloutPipeline
 from rollout.options import SamplingOptions, check_seed
-from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import RolloutBatch, SampleTrajectory, StepDebug
 from rollout.transitions import take_step
 

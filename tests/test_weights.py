@@ -8,7 +8,6 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
-from rollout.models.digits import DigitFlowPipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs, transition_log_probs
 from rollout.sampler import sample
