@@ -51,6 +51,7 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
         max_replicas_per_node=config.worker_max_replicas_per_node,
         request_router_config=RequestRouterConfig(request_router_class=FewestSamplesRouter),
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        health_check_period_s=config.worker_health_check_period_s,
         **drain,
         ray_actor_options={"num_cpus": config.worker_num_cpus, "num_gpus": _worker_gpus(config)},
     ).bind(config, coordinator)

@@ -89,6 +89,12 @@ class RolloutAppConfig(BaseModel):
         description="How long a stopping ingress or worker replica (Ctrl-C, serve.delete, a redeploy) keeps "
         "serving its requests in flight before Serve kills it.",
     )
+    worker_health_check_period_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often Serve checks each worker replica (Serve's health_check_period_s); a replica "
+        "whose last sampler calls all failed fails the check and is replaced.",
+    )
     # The ingress only plans requests and awaits the workers, so it takes many at once: Serve's
     # default of 5 queued concurrent one-sample requests behind each other, so they reached the
     # workers in waves and could not share sampler calls.

@@ -34,6 +34,10 @@ class OverloadedError(ServiceUnavailableError):
     """Admitting the request would queue more samples than `max_queued_samples` allows."""
 
 
+class StoppingError(ServiceUnavailableError):
+    """The server is stopping (`RolloutIngress.stop_serving`): send the request again once it is back."""
+
+
 class DeadlineExceededError(RolloutError):
     """The request's deadline (`rollout_timeout_s`, or the app's `request_timeout_s`) passed: HTTP 504."""
 

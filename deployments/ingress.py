@@ -10,8 +10,9 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from fastapi import FastAPI, Request
@@ -28,6 +29,7 @@ from deployments.errors import (
     DeadlineExceededError,
     OverloadedError,
     ServiceUnavailableError,
+    StoppingError,
     WorkerLostError,
     error_response,
 )
@@ -61,6 +63,7 @@ from rollout.trajectory import RolloutBatch
 logger = logging.getLogger("ray.serve")
 MSGPACK = "application/msgpack"
 HEALTH_TTL_S = 1.0
+T = TypeVar("T")
 
 app = FastAPI(title="diffusion rollout server")
 require_bearer_token(app)
@@ -109,7 +112,7 @@ class RolloutResult:
                 return ray.get(ref, timeout=timeout_s)
             except _LOST as error:
                 self._give_up_after(attempt, error)
-            ref = self.worker.generate.remote(work)._to_object_ref_sync()
+            ref = self.worker.generate.remote(work)._to_object_ref_sync(_timeout_s=timeout_s)
 
     async def _fetched_async(self, ref: ray.ObjectRef, work: SamplingWork) -> WorkerResult:
         for attempt in range(1, self.max_attempts + 1):
@@ -157,17 +160,10 @@ def _weights_refusal(error: Exception) -> JSONResponse:
     return JSONResponse(status_code=status, content={"success": False, "message": message})
 
 
-async def _within_deadline(result: RolloutResult) -> list[WorkerResult]:
-    """The result's parts, fetched by the ingress; if the deadline passes or the client goes away
-    (Serve then cancels this request), the parts still queued on the workers are cancelled."""
-    try:
-        return await asyncio.wait_for(result.worker_results_async(), max(0.0, result.works[0].deadline - time.time()))
-    except BaseException as error:
-        for ref in result.parts:
-            ray.cancel(ref)
-        if isinstance(error, asyncio.TimeoutError):
-            raise DeadlineExceededError("the request's deadline passed (rollout_timeout_s or request_timeout_s)") from None
-        raise
+def _cancel(refs: list[ray.ObjectRef]) -> None:
+    """Cancels the parts still queued on the workers (a part being sampled finishes)."""
+    for ref in refs:
+        ray.cancel(ref)
 
 
 def _joined_batch(parts: list[WorkerResult]) -> RolloutBatch:
@@ -237,7 +233,9 @@ class RolloutIngress:
         self._started = int(time.time())
         self._routing_samples = 0  # admitted, not yet placed on a worker replica
         self._workers_checked_at = -math.inf
-        self._running = 0
+        self._running: int | None = None
+        self._status_read: asyncio.Task | None = None
+        self._stopping = asyncio.Event()
 
     def _plan(self, request: RolloutRequest | dict[str, Any]) -> RolloutPlan:
         validation = self.config.request_validation
@@ -249,6 +247,8 @@ class RolloutIngress:
     def _admit(self, samples: int) -> None:
         """Counts `samples` as queued, or refuses them if the queue would pass its limit (a request
         larger than the limit is still admitted to an empty queue)."""
+        if self._stopping.is_set():
+            raise StoppingError("the server is stopping; send it again once it is back")
         queued = outstanding_samples() + self._routing_samples
         limit = self.config.queued_samples_limit()
         if queued and queued + samples > limit:
@@ -258,13 +258,16 @@ class RolloutIngress:
             )
         self._routing_samples += samples
 
-    async def _result(self, plan: RolloutPlan) -> RolloutResult:
-        """Sends the plan's work to the workers; references to their results, in sample order."""
+    def _deadline(self, plan: RolloutPlan) -> float:
+        return time.time() + (plan.request.rollout_timeout_s or self.config.request_timeout_s)
+
+    async def _result(self, plan: RolloutPlan, deadline: float) -> RolloutResult:
+        """Sends the plan's work to the workers; references to their results, in sample order.
+        Interrupted (a client gone, a deadline passed), it cancels the work it already sent."""
         # Chunks small enough that every replica gets a share, and no larger than a worker batch.
         per_replica = math.ceil(plan.num_samples / self.config.num_worker_replicas)
         chunk_size = max(1, min(self.config.max_batch_size, per_replica))
-        timeout_s = plan.request.rollout_timeout_s or self.config.request_timeout_s
-        works = list(plan.work(chunk_size, deadline=time.time() + timeout_s))
+        works = list(plan.work(chunk_size, deadline=deadline))
         self._admit(plan.num_samples)
         refs = []
         try:
@@ -273,14 +276,56 @@ class RolloutIngress:
                 # new load before it places the next chunk, which spreads a request's chunks.
                 refs.append(await self.worker.generate.remote(work)._to_object_ref())
                 self._routing_samples -= len(work)  # the router counts them from here on
+        except BaseException:
+            _cancel(refs)
+            raise
         finally:
             self._routing_samples -= sum(len(work) for work in works[len(refs):])
         attempts = self.config.worker_retry_attempts
         return RolloutResult(plan.request_id, plan.seed, plan.num_outputs_per_prompt, refs, works, self.worker, attempts)
 
+    async def _served(self, plan: RolloutPlan, deadline: float) -> list[WorkerResult]:
+        """The plan's parts, sampled and fetched by the ingress (the HTTP path); interrupted, the
+        work still queued on the workers is cancelled."""
+        result = await self._result(plan, deadline)
+        try:
+            return await result.worker_results_async()
+        except BaseException:
+            _cancel(result.parts)
+            raise
+
+    async def _in_time(self, work: Awaitable[T], deadline: float) -> T:
+        """`work`'s result, unless its deadline passes first (`DeadlineExceededError`) or the server
+        stops and it does not finish within half the shutdown grace (`StoppingError`, so that
+        the answer comes before Serve kills this replica). Either way, or when the client goes away
+        (Serve then cancels this coroutine), `work` is cancelled."""
+        task = asyncio.ensure_future(work)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stopping}, timeout=max(0.0, deadline - time.time()), return_when=asyncio.FIRST_COMPLETED)
+            if stopping.done() and not task.done():
+                grace = min(self.config.graceful_shutdown_timeout_s / 2, max(0.0, deadline - time.time()))
+                await asyncio.wait({task}, timeout=grace)
+            if task.done():
+                return task.result()
+            if stopping.done():
+                raise StoppingError("the server stopped before this request was sampled; send it again once it is back")
+            raise DeadlineExceededError("the request's deadline passed (rollout_timeout_s or request_timeout_s)")
+        finally:
+            task.cancel()
+            stopping.cancel()
+
     async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
         """Handle API: validates and fans out; raises `InvalidRequestError` naming a bad field."""
-        return await self._result(self._plan(request))
+        plan = self._plan(request)
+        return await self._result(plan, self._deadline(plan))
+
+    async def stop_serving(self) -> None:
+        """Handle API, called before the application is deleted (`make serve`'s Ctrl-C): from now
+        on requests are refused with `StoppingError` (503), and HTTP requests in flight that are
+        not done within half of `graceful_shutdown_timeout_s` are answered so too, rather than cut
+        off when Serve kills the replica."""
+        self._stopping.set()
 
     async def update_weights_from_disk(
         self,
@@ -335,21 +380,31 @@ class RolloutIngress:
     @app.get("/health")
     async def health(self) -> Response:
         """Whether requests can be served: some worker replica runs (a replica whose pipeline
-        broke fails Serve's health check and stops counting). Answered from a status read at most
-        `HEALTH_TTL_S` ago, so that it stays fast under any load."""
+        broke fails Serve's health check and stops counting). Answered from the last status read,
+        which is renewed in the background when it is over `HEALTH_TTL_S` old, so that the answer
+        never waits for Serve's controller, however loaded."""
         running = await self._running_workers()
-        if running == 0:
+        if not running:
             return JSONResponse(status_code=503, content={"status": "unhealthy", "reason": "no worker replica is running"})
         return JSONResponse({"status": "ok", "worker_replicas_running": running})
 
-    async def _running_workers(self) -> int:
-        now = time.monotonic()
-        if now - self._workers_checked_at > HEALTH_TTL_S:
-            self._workers_checked_at = now
-            status = await asyncio.to_thread(serve.status)
-            workers = status.applications[serve.get_replica_context().app_name].deployments["RolloutWorker"]
-            self._running = workers.replica_states.get(ReplicaState.RUNNING, 0)
+    async def _running_workers(self) -> int | None:
+        stale = time.monotonic() - self._workers_checked_at > HEALTH_TTL_S
+        if stale and (self._status_read is None or self._status_read.done()):
+            self._status_read = asyncio.create_task(self._read_running_workers())
+        if self._running is None:  # nothing read yet
+            await asyncio.shield(self._status_read)
         return self._running
+
+    async def _read_running_workers(self) -> None:
+        try:
+            status = await asyncio.to_thread(serve.status)
+        except Exception:
+            logger.exception("could not read the application's status")
+            return
+        workers = status.applications[serve.get_replica_context().app_name].deployments["RolloutWorker"]
+        self._running = workers.replica_states.get(ReplicaState.RUNNING, 0)
+        self._workers_checked_at = time.monotonic()
 
     @app.get("/rollout/info")
     async def http_info(self) -> dict:
@@ -430,8 +485,8 @@ class RolloutIngress:
         plan = None
         try:
             plan = self._plan(await _json_body(http_request, self.config))
-            result = await self._result(plan)
-            parts = await _within_deadline(result)
+            deadline = self._deadline(plan)
+            parts = await self._in_time(self._served(plan, deadline), deadline)
             batch = _joined_batch(parts)
         except CodecError as error:
             # FastAPI answers a body that does not parse with 422, and so does SGLang.

@@ -1,6 +1,7 @@
 """`serve run --name rollout deployments.app:build_app` for one machine, with safe local defaults:
-Ray's own servers listen on loopback, Serve's HTTP on 127.0.0.1:8000, and Ctrl-C answers the
-requests in flight (for up to the app config's `graceful_shutdown_timeout_s`) before it stops.
+Ray's own servers listen on loopback, Serve's HTTP on 127.0.0.1:8000, and Ctrl-C answers every
+request in flight before it stops: with its samples if they are done within half the app config's
+`graceful_shutdown_timeout_s`, else with a retryable 503.
 
     .venv/bin/python scripts/serve_local.py                          # or: make serve
     .venv/bin/python scripts/serve_local.py num_worker_replicas=1    # the app config's fields, as serve run takes them
@@ -27,13 +28,15 @@ def main() -> None:
     ray.init(address="local")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8000})
-        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        ingress = serve.run(build_app(config), name=config.app_name, route_prefix="/")
         print(f"serving application {config.app_name!r} on http://127.0.0.1:8000; Ctrl-C stops it", flush=True)
         try:
             threading.Event().wait()
         except KeyboardInterrupt:
-            # serve.shutdown() alone kills the HTTP proxy first, dropping every request in flight;
-            # deleting the application first lets its replicas answer them through the proxy.
+            # serve.shutdown() alone kills the HTTP proxy at once, dropping every request in flight;
+            # deleting the application first lets its replicas answer them through the proxy, and
+            # stop_serving makes the ingress answer what would not finish in time with a 503.
+            ingress.stop_serving.remote().result()
             serve.delete(config.app_name)
     except KeyboardInterrupt:
         pass  # while starting: nothing is in flight

@@ -14,31 +14,12 @@ import ray
 import requests
 from ray import serve
 
-from deployments.app import build_app
 from deployments.errors import DeadlineExceededError, OverloadedError, WorkerLostError
 from deployments.ingress import RolloutResult
 from rollout.codec import from_msgpack
-from tests.deployments.conftest import TEST_CONFIG
+from tests.deployments.replicas import deploy, pids, request_body
 
 pytestmark = pytest.mark.faults
-
-STEPS = 6
-
-
-def _deploy(serve_app, name: str, **config) -> SimpleNamespace:
-    handle = serve.run(build_app({**TEST_CONFIG, **config, "app_name": name}), name=name, route_prefix=f"/{name}")
-    return SimpleNamespace(handle=handle, name=name, url=f"{serve_app[1]}/{name}")
-
-
-def _pids(app_name: str, deployment: str) -> list[int]:
-    """Process ids of a deployment's live replicas (asked of the replica actors themselves)."""
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"]
-    replicas = [ray.get_actor(n, namespace="serve") for n in names if f"::{app_name}#{deployment}#" in n]
-    return ray.get([replica.__ray_call__.remote(lambda self: os.getpid()) for replica in replicas])
-
-
-def _body(i: int, samples: int = 2) -> dict:
-    return {"prompt": str(i % 10), "num_outputs_per_prompt": samples, "num_inference_steps": STEPS, "seed": 100 * i}
 
 
 def _sample_bits(samples) -> list[tuple]:
@@ -51,15 +32,15 @@ def _row_bits(rows) -> list[tuple]:
 
 def _served(app, session: requests.Session, i: int, over_http: bool) -> list[tuple]:
     if over_http:
-        response = session.post(f"{app.url}/rollout/generate", json={**_body(i), "rollout_debug_mode": False})
+        response = session.post(f"{app.url}/rollout/generate", json={**request_body(i), "rollout_debug_mode": False})
         assert response.status_code == 200, response.text
         return _row_bits(from_msgpack(response.content))
-    return _sample_bits(app.handle.generate.remote(_body(i)).result().batch().samples)
+    return _sample_bits(app.handle.generate.remote(request_body(i)).result().batch().samples)
 
 
 @pytest.fixture(scope="module")
 def app(serve_app):
-    app = _deploy(serve_app, "faults-test", max_queued_samples=1024)
+    app = deploy(serve_app, "faults-test", max_queued_samples=1024)
     yield app
     serve.delete(app.name)
 
@@ -83,7 +64,7 @@ def test_a_worker_replica_killed_under_load_loses_no_request_and_changes_no_samp
     for thread in clients:
         thread.start()
     time.sleep(2.0)  # the load is running
-    os.kill(_pids(app.name, "RolloutWorker")[0], signal.SIGKILL)
+    os.kill(pids(app.name, "RolloutWorker")[0], signal.SIGKILL)
     for thread in clients:
         thread.join(timeout=240)
     assert not any(thread.is_alive() for thread in clients), "a request hung"
@@ -93,25 +74,25 @@ def test_a_worker_replica_killed_under_load_loses_no_request_and_changes_no_samp
 
 
 def test_results_a_trainer_holds_survive_the_ingress_replica(app):
-    undisturbed = [_sample_bits(app.handle.generate.remote(_body(i, samples=4)).result().batch().samples) for i in (1, 2)]
-    results = [app.handle.generate.remote(_body(i, samples=4)).result() for i in (1, 2)]
-    os.kill(_pids(app.name, "RolloutIngress")[0], signal.SIGKILL)
+    undisturbed = [_sample_bits(app.handle.generate.remote(request_body(i, samples=4)).result().batch().samples) for i in (1, 2)]
+    results = [app.handle.generate.remote(request_body(i, samples=4)).result() for i in (1, 2)]
+    os.kill(pids(app.name, "RolloutIngress")[0], signal.SIGKILL)
     time.sleep(1.0)  # the references the ingress owned are gone with it
     assert [_sample_bits(r.batch(timeout_s=120).samples) for r in results] == undisturbed
 
 
 def test_a_request_past_its_deadline_is_dropped_and_answered_504(app, http):
-    response = http.post(f"{app.url}/rollout/generate", json={**_body(5), "rollout_timeout_s": 0.001})
+    response = http.post(f"{app.url}/rollout/generate", json={**request_body(5), "rollout_timeout_s": 0.001})
     assert response.status_code == 504 and response.json()["error"]["field"] == "rollout_timeout_s"
     # Through the handle, the worker drops the expired work before sampling it.
     with pytest.raises(DeadlineExceededError, match="deadline passed"):
-        app.handle.generate.remote({**_body(5), "rollout_timeout_s": 0.001}).result().batch()
-    assert http.post(f"{app.url}/rollout/generate", json={**_body(5), "rollout_timeout_s": 60}).status_code == 200
+        app.handle.generate.remote({**request_body(5), "rollout_timeout_s": 0.001}).result().batch()
+    assert http.post(f"{app.url}/rollout/generate", json={**request_body(5), "rollout_timeout_s": 60}).status_code == 200
 
 
 @pytest.fixture(scope="module")
 def small_queue(serve_app):
-    app = _deploy(serve_app, "overload-test", num_worker_replicas=1, max_queued_samples=8)
+    app = deploy(serve_app, "overload-test", num_worker_replicas=1, max_queued_samples=8)
     yield app
     serve.delete(app.name)
 
@@ -124,7 +105,7 @@ def test_beyond_its_queue_the_server_sheds_load_quickly_and_recovers(small_queue
 
     def client(i):
         start = time.perf_counter()
-        response = requests.post(f"{app.url}/rollout/generate", json={**_body(i, samples=4), "rollout_debug_mode": False})
+        response = requests.post(f"{app.url}/rollout/generate", json={**request_body(i, samples=4), "rollout_debug_mode": False})
         headers = dict(response.headers)
         outcomes.append((response.status_code, time.perf_counter() - start, headers | {"body": response.content}))
 
@@ -154,12 +135,12 @@ def test_beyond_its_queue_the_server_sheds_load_quickly_and_recovers(small_queue
     assert max(o[1] for o in shed) < 2.0  # refused at once, not after waiting
     assert sorted(health_s)[len(health_s) // 2] < 0.1
     # Service recovers once the burst is over.
-    again = requests.post(f"{app.url}/rollout/generate", json={**_body(99, samples=4), "rollout_debug_mode": False})
+    again = requests.post(f"{app.url}/rollout/generate", json={**request_body(99, samples=4), "rollout_debug_mode": False})
     assert again.status_code == 200
 
 
 def test_beyond_its_queue_the_handle_raises_a_typed_error(small_queue):
-    body = {**_body(1, samples=8), "num_inference_steps": 50}  # long enough to still be queued
+    body = {**request_body(1, samples=8), "num_inference_steps": 50}  # long enough to still be queued
     responses = [small_queue.handle.generate.remote({**body, "seed": seed}) for seed in (1, 2)]
     outcomes = []
     for response in responses:
@@ -189,7 +170,7 @@ def test_a_part_lost_on_every_try_is_a_retryable_error(ray_cluster):
             @staticmethod
             def remote(work):
                 resent.append(work)
-                return SimpleNamespace(_to_object_ref_sync=doomed.ping.remote)
+                return SimpleNamespace(_to_object_ref_sync=lambda _timeout_s: doomed.ping.remote())
 
     result = RolloutResult("r", 0, 1, [doomed.ping.remote()], ["work"], DeadWorker(), max_attempts=3)
     with pytest.raises(WorkerLostError, match="lost 3 times") as caught:

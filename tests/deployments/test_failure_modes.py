@@ -1,0 +1,140 @@
+"""A pipeline that breaks or turns out NaN, a client that goes away, a server that stops: each on
+a real local cluster, with the fault injected inside the worker replica."""
+
+import json
+import math
+import threading
+import time
+from http.client import HTTPConnection
+from urllib.parse import urlparse
+
+import pytest
+import requests
+from ray import serve
+
+from rollout.errors import NonFiniteOutputError
+from tests.deployments.replicas import deploy, on_replicas, pids, request_body
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.fixture(scope="module")
+def one_worker(serve_app):
+    """One worker replica taking two samples at a time, checked by Serve every half second."""
+    app = deploy(serve_app, "one-worker-test", num_worker_replicas=1, max_batch_size=2, worker_health_check_period_s=0.5)
+    yield app
+    serve.delete(app.name)
+
+
+def _health_until(app, status: int, timeout_s: float = 90.0) -> float:
+    """Seconds until `/health` answers `status`, polled every 0.1 s."""
+    start = time.monotonic()
+    with requests.Session() as session:
+        while session.get(f"{app.url}/health", timeout=5).status_code != status:
+            assert time.monotonic() - start < timeout_s, f"/health never answered {status}"
+            time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def test_non_finite_samples_are_never_served_as_a_success(one_worker, http):
+    def unstable(worker):  # a model whose velocity overflows, whatever the request
+        velocity = worker.pipeline.predict_velocity
+        worker.pipeline.predict_velocity = lambda *args, **kwargs: velocity(*args, **kwargs) * math.inf
+
+    on_replicas(one_worker.name, "RolloutWorker", unstable)
+    try:
+        response = http.post(f"{one_worker.url}/rollout/generate", json=request_body(1))
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert "NaN or infinite values in" in error["message"] and "Traceback" not in response.text
+        with pytest.raises(NonFiniteOutputError, match="NaN or infinite values in"):
+            one_worker.handle.generate.remote(request_body(1)).result().batch()
+        # Not a broken pipeline: the sampler ran, so the replica stays and /health stays 200.
+        assert http.get(f"{one_worker.url}/health").status_code == 200
+    finally:
+        on_replicas(one_worker.name, "RolloutWorker", lambda worker: vars(worker.pipeline).pop("predict_velocity"))
+    assert http.post(f"{one_worker.url}/rollout/generate", json=request_body(1)).status_code == 200
+
+
+def test_a_broken_pipeline_is_unhealthy_until_serve_replaces_its_replica(one_worker, http):
+    def broken(worker):
+        def device_lost(*args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        worker.pipeline.predict_velocity = device_lost
+
+    (broken_pid,) = pids(one_worker.name, "RolloutWorker")
+    on_replicas(one_worker.name, "RolloutWorker", broken)
+    for i in range(3):  # BROKEN_AFTER_FAILED_CALLS sampler calls in a row fail
+        response = http.post(f"{one_worker.url}/rollout/generate", json=request_body(i))
+        assert response.status_code == 500 and "CUDA" not in response.text and "internal error" in response.text
+    _health_until(one_worker, 503)
+    assert http.get(f"{one_worker.url}/health").json()["reason"] == "no worker replica is running"
+    _health_until(one_worker, 200)
+    assert pids(one_worker.name, "RolloutWorker") != [broken_pid]
+    assert http.post(f"{one_worker.url}/rollout/generate", json=request_body(1)).status_code == 200
+
+
+def test_a_client_that_goes_away_cancels_its_queued_work(one_worker, http):
+    def count_transformer_calls(worker):  # nested: Ray pickles it by value into the replica
+        velocity = worker.pipeline.predict_velocity
+
+        def counted(*args, **kwargs):
+            counted.calls += 1
+            return velocity(*args, **kwargs)
+
+        counted.calls = 0
+        worker.pipeline.predict_velocity = counted
+
+    on_replicas(one_worker.name, "RolloutWorker", count_transformer_calls)
+
+    def transformer_calls() -> int:
+        (calls,) = on_replicas(one_worker.name, "RolloutWorker", lambda worker: worker.pipeline.predict_velocity.calls)
+        return calls
+
+    try:
+        body = {**request_body(3, samples=2), "num_inference_steps": 30, "rollout_debug_mode": False}
+        start = time.monotonic()
+        assert http.post(f"{one_worker.url}/rollout/generate", json=body).status_code == 200
+        one_call_s = time.monotonic() - start  # a sampler call of two samples, and the way there and back
+        per_sampler_call = transformer_calls()
+
+        # Twelve samples are six sampler calls of two. The client waits out about one and goes.
+        url = urlparse(one_worker.url)
+        connection = HTTPConnection(url.hostname, url.port, timeout=1.5 * one_call_s)
+        twelve = {**body, "prompt": ["3", "4", "5"], "num_outputs_per_prompt": 4}
+        connection.request("POST", f"{url.path}/rollout/generate", json.dumps(twelve), {"Content-Type": "application/json"})
+        with pytest.raises(TimeoutError):
+            connection.getresponse()
+        connection.close()
+
+        calls, settled_at = transformer_calls(), time.monotonic()
+        while time.monotonic() - settled_at < 2 * one_call_s:  # until the worker has been idle a while
+            time.sleep(0.1)
+            if (now := transformer_calls()) != calls:
+                calls, settled_at = now, time.monotonic()
+        # The sampler call running when the client left finished (maybe the next had started);
+        # the rest never ran.
+        assert calls - per_sampler_call <= 3 * per_sampler_call  # of the six
+    finally:
+        on_replicas(one_worker.name, "RolloutWorker", lambda worker: vars(worker.pipeline).pop("predict_velocity"))
+
+
+def test_a_stopping_server_answers_every_request_in_flight(serve_app):
+    app = deploy(serve_app, "stop-test", num_worker_replicas=1, max_batch_size=2)
+    long_request = {**request_body(4, samples=8), "prompt": ["4", "5"], "num_inference_steps": 50, "rollout_debug_mode": False}
+    answers = []
+    client = threading.Thread(target=lambda: answers.append(requests.post(f"{app.url}/rollout/generate", json=long_request)))
+    client.start()
+    time.sleep(1.0)  # sampling
+    app.handle.stop_serving.remote().result()
+    refused = requests.post(f"{app.url}/rollout/generate", json=request_body(5))
+    start = time.monotonic()
+    serve.delete(app.name)
+    deleted_s = time.monotonic() - start
+    client.join(timeout=30)
+
+    for response in (refused, *answers):
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert "send it again" in response.json()["error"]["message"]
+    assert len(answers) == 1 and deleted_s < 10
