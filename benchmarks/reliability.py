@@ -1,14 +1,16 @@
 """Reliability figures of the default application on this machine, written to docs/reliability.md.
 
-    .venv/bin/python -m benchmarks.reliability      # about 5 minutes on 2 cores
+    .venv/bin/python -m benchmarks.reliability      # about 13 minutes on 2 cores
 
 Probes what issue 10 probed, against `build_app()` with its defaults (2 worker replicas):
 bad inputs by kind and how each was answered; a burst of 200 requests of 32 samples (served vs
-shed, p99 latency of the admitted ones and of `/health` meanwhile); a worker replica killed with
-SIGKILL during 60 s of load (requests lost, hung, and samples that differ from an undisturbed
-run); the ingress's memory before and after 500 requests and after the largest bad inputs.
-The tests (tests/deployments/test_faults.py, test_bounded_validation_http.py) assert the same
-behaviours on smaller loads.
+shed, p99 latency of the admitted ones, of `/health` and of the HTTP proxy's own health route
+meanwhile, and the CPU the proxy and the ingress spent); a worker replica killed with SIGKILL
+during 60 s of load (requests lost, hung, and samples that differ from an undisturbed run); the
+ingress's memory before and after 500 requests and after the largest bad inputs; and Ctrl-C with
+requests in flight, for `make serve` and for plain `serve run`. The tests
+(tests/deployments/test_faults.py, test_bounded_validation_http.py) assert the same behaviours on
+smaller loads.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import statistics
 import threading
 import time
@@ -40,6 +45,37 @@ def _actor_pids(deployment: str) -> list[int]:
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"]
     replicas = [ray.get_actor(n, namespace="serve") for n in names if f"::{APP}#{deployment}#" in n]
     return ray.get([replica.__ray_call__.remote(lambda self: os.getpid()) for replica in replicas])
+
+
+def _proxy_pid() -> int:
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"]
+    (proxy,) = [ray.get_actor(n, namespace="serve") for n in names if n.startswith("SERVE_PROXY_ACTOR")]
+    return ray.get(proxy.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stolen_and_total_ticks() -> tuple[int, int]:
+    """CPU ticks the hypervisor gave other machines (steal) and all ticks, since boot (/proc/stat)."""
+    ticks = [int(field) for field in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return ticks[7], sum(ticks)
+
+
+def _poll(url: str, stop, results) -> None:
+    """Seconds per GET of `url`, one every 100 ms until `stop`; in a process of its own, so that the
+    burst's 200 client threads do not take the poller's turns."""
+    latencies, statuses = [], Counter()
+    with requests.Session() as session:
+        while not stop.is_set():
+            start = time.perf_counter()
+            statuses[session.get(url, timeout=30).status_code] += 1
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.1)
+    results.put((url, latencies, dict(statuses)))
 
 
 def _rss_mb(pid: int) -> float:
@@ -109,8 +145,7 @@ class Probe:
 
     def burst(self, clients: int = 200, samples: int = 32) -> None:
         outcomes: list[tuple[int, float]] = []
-        health: list[float] = []
-        stop = threading.Event()
+        processes = {"ingress": _actor_pids("RolloutIngress")[0], "HTTP proxy": _proxy_pid()}
 
         def client(i: int) -> None:
             start = time.perf_counter()
@@ -118,38 +153,49 @@ class Probe:
             status = requests.post(f"{self.url}/rollout/generate", json=body, timeout=600).status_code
             outcomes.append((status, time.perf_counter() - start))
 
-        def poll() -> None:
-            with requests.Session() as session:
-                while not stop.is_set():
-                    start = time.perf_counter()
-                    session.get(f"{self.url}/health", timeout=30)
-                    health.append(time.perf_counter() - start)
-                    time.sleep(0.1)
-
-        poller = threading.Thread(target=poll)
-        poller.start()
+        spawn = multiprocessing.get_context("spawn")
+        stop, results = spawn.Event(), spawn.Queue()
+        health_urls = [f"{self.url}/health", f"{self.url.rsplit('/', 1)[0]}/-/healthz"]
+        pollers = [spawn.Process(target=_poll, args=(url, stop, results)) for url in health_urls]
+        for poller in pollers:
+            poller.start()
+        time.sleep(3.0)  # the pollers are up
+        cpu_before = {name: _cpu_s(pid) for name, pid in processes.items()}
         threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+        cpu = {name: _cpu_s(pid) - cpu_before[name] for name, pid in processes.items()}
         stop.set()
-        poller.join()
+        polls = {url: (latencies, statuses) for url, latencies, statuses in (results.get() for _ in pollers)}
+        for poller in pollers:
+            poller.join()
         statuses = Counter(status for status, _ in outcomes)
         admitted = [t for status, t in outcomes if status == 200]
         shed = [t for status, t in outcomes if status == 503]
+
+        def latency_row(label: str, url: str) -> str:
+            latencies, answers = polls[url]
+            return (f"| {label}: p50 / p99 / max (s) | {statistics.median(latencies):.3f} / "
+                    f"{_percentile(latencies, 0.99):.3f} / {max(latencies):.3f} ({len(latencies)} polls, answers {answers}) |")
+
         self.add(
             "A burst beyond the queue",
             f"{clients} concurrent requests of {samples} light samples each (the default queue admits "
-            f"{4 * 2 * 32} samples: 4 batches per worker replica); `/health` polled every 100 ms meanwhile.",
+            f"{4 * 2 * 32} samples: 4 batches per worker replica). Meanwhile two processes of their own "
+            "poll, every 100 ms, `/health` and the HTTP proxy's own health route `/-/healthz`, which Serve "
+            "answers without any application code.",
             "",
             "| figure | value |",
             "|---|---|",
             f"| answers by status | {dict(sorted(statuses.items()))} |",
             f"| admitted: p50 / p99 latency (s) | {statistics.median(admitted):.2f} / {_percentile(admitted, 0.99):.2f} |",
             f"| shed (503 + Retry-After): max latency (s) | {max(shed, default=0):.3f} |",
-            f"| `/health` during the burst: p50 / p99 / max (s) | {statistics.median(health):.3f} / "
-            f"{_percentile(health, 0.99):.3f} / {max(health):.3f} ({len(health)} polls) |",
+            latency_row("`/health` during the burst", health_urls[0]),
+            latency_row("`/-/healthz` (Serve's proxy alone) during the burst", health_urls[1]),
+            *(f"| CPU seconds the {name} process spent on the burst | {seconds:.2f} ({1000 * seconds / clients:.1f} ms per request) |"
+              for name, seconds in cpu.items()),
         )
 
     def kill_under_load(self, handle, seconds: float = 60.0) -> None:
@@ -227,12 +273,61 @@ class Probe:
                     assert self.generate(session, body).status_code == 200
 
 
+def ctrl_c_with_requests_in_flight(label: str, command: list[str], requests_in_flight: int = 8) -> list[str]:
+    """Starts `command` (an application on 127.0.0.1:8000), sends requests that take ~10 s, and
+    SIGINTs its process group 3 s later, as a terminal's Ctrl-C does: how each request was answered,
+    and how long the command took to exit."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    server = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    answers: list[str] = []
+    try:
+        started = time.monotonic()
+        while True:
+            assert time.monotonic() - started < 300 and server.poll() is None, f"{label} did not start"
+            try:
+                if requests.get("http://127.0.0.1:8000/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:  # not listening yet, or still deploying
+                pass
+            time.sleep(1.0)
+
+        def client(i: int) -> None:
+            body = {**LIGHT, "prompt": str(i % 10), "num_outputs_per_prompt": 32, "seed": i}
+            try:
+                response = requests.post("http://127.0.0.1:8000/rollout/generate", json=body, timeout=120)
+                kind = "JSON" if response.headers.get("content-type") == "application/json" else "text"
+                answers.append(f"{response.status_code} ({kind})" if response.status_code != 200 else "200")
+            except requests.RequestException as error:
+                answers.append(f"no answer ({type(error).__name__})")
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(requests_in_flight)]
+        for thread in threads:
+            thread.start()
+        time.sleep(3.0)
+        os.killpg(server.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        try:
+            server.wait(timeout=60)
+            exit_s = f"{time.monotonic() - interrupted:.1f}"
+        except subprocess.TimeoutExpired:
+            exit_s = "not within 60 s"
+        for thread in threads:
+            thread.join()
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        # Ray's processes of that cluster, whatever became of the command.
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], env=env, capture_output=True)
+    return [f"| {label} | {dict(sorted(Counter(answers).items()))} | {exit_s} |"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=8124)
     parser.add_argument("--output", type=Path, default=Path("docs/reliability.md"))
     args = parser.parse_args()
     start = time.monotonic()
+    stolen_before, total_before = _stolen_and_total_ticks()
     ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     probe = Probe(args.port)
@@ -250,12 +345,28 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+    bin_dir = Path(sys.executable).parent
+    probe.add(
+        "Ctrl-C with requests in flight",
+        "8 requests of 32 light samples (about 10 s of sampling), then SIGINT to the command's process "
+        "group 3 s later, as a terminal's Ctrl-C.",
+        "",
+        "| command | answers | seconds to exit |",
+        "|---|---|---|",
+        *ctrl_c_with_requests_in_flight("`make serve` (scripts/serve_local.py)", [sys.executable, "scripts/serve_local.py"]),
+        *ctrl_c_with_requests_in_flight(
+            "`serve run --name rollout deployments.app:build_app`",
+            [str(bin_dir / "serve"), "run", "--name", "rollout", "deployments.app:build_app"],
+        ),
+    )
+    stolen, total = (after - before for after, before in zip(_stolen_and_total_ticks(), (stolen_before, total_before)))
     head = [
         "# Reliability",
         "",
         f"Command: `.venv/bin/python -m benchmarks.reliability` ({(time.monotonic() - start) / 60:.1f} min), "
         f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores, ray {ray.__version__}. The default "
-        "application (`build_app()`: 2 worker replicas, batches of 32, queue of 256 samples).",
+        "application (`build_app()`: 2 worker replicas, batches of 32, queue of 256 samples). The hypervisor "
+        f"took {100 * stolen / total:.0f}% of this machine's CPU time during the run (steal time, /proc/stat).",
     ]
     args.output.write_text("\n".join(head + probe.lines) + "\n")
 
