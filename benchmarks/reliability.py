@@ -8,9 +8,9 @@ shed, p99 latency of the admitted ones, of `/health` and of the HTTP proxy's own
 meanwhile, and the CPU the proxy and the ingress spent); a worker replica killed with SIGKILL
 during 60 s of load (requests lost, hung, and samples that differ from an undisturbed run); the
 ingress's memory before and after 500 requests and after the largest bad inputs; and Ctrl-C with
-requests in flight, for `make serve` and for plain `serve run`. The tests
-(tests/deployments/test_faults.py, test_bounded_validation_http.py) assert the same behaviours on
-smaller loads.
+requests in flight, for `make serve` and for plain `serve run`. The tests in tests/deployments
+(test_faults.py, test_failure_modes.py, test_bounded_validation_http.py) assert the same
+behaviours on smaller loads, without timing them.
 """
 
 from __future__ import annotations
