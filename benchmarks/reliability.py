@@ -278,7 +278,15 @@ def ctrl_c_with_requests_in_flight(label: str, command: list[str], requests_in_f
     SIGINTs its process group 3 s later, as a terminal's Ctrl-C does: how each request was answered,
     and how long the command took to exit."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    server = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        command,
+        env=env,
+        start_new_session=True,
+        # A shell running this in the background ignores SIGINT, and its children inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     answers: list[str] = []
     try:
         started = time.monotonic()

@@ -1,13 +1,14 @@
 """`serve run --name rollout deployments.app:build_app` for one machine, with safe local defaults:
-Ray's own servers listen on loopback, Serve's HTTP on 127.0.0.1:8000, and Ctrl-C answers every
-request in flight before it stops: with its samples if they are done within half the app config's
-`graceful_shutdown_timeout_s`, else with a retryable 503.
+Ray's own servers listen on loopback, Serve's HTTP on 127.0.0.1:8000, and Ctrl-C (or SIGTERM)
+answers every request in flight before it stops: with its samples if they are done within half
+the app config's `graceful_shutdown_timeout_s`, else with a retryable 503.
 
     .venv/bin/python scripts/serve_local.py                          # or: make serve
     .venv/bin/python scripts/serve_local.py num_worker_replicas=1    # the app config's fields, as serve run takes them
 """
 
 import os
+import signal
 import sys
 import threading
 
@@ -23,9 +24,16 @@ from deployments.app import build_app  # noqa: E402
 from deployments.config import RolloutAppConfig  # noqa: E402
 
 
+def _stop_as_on_ctrl_c(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     config = RolloutAppConfig.model_validate(convert_args_to_dict(tuple(sys.argv[1:])))
     ray.init(address="local")
+    # `docker stop` and Kubernetes stop the main process with SIGTERM, on which Ray's driver
+    # handler would just exit: answer the requests in flight then too.
+    signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8000})
         ingress = serve.run(build_app(config), name=config.app_name, route_prefix="/")
