@@ -27,6 +27,7 @@ import statistics
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -273,60 +274,89 @@ class Probe:
                     assert self.generate(session, body).status_code == 200
 
 
-def ctrl_c_with_requests_in_flight(label: str, command: list[str], requests_in_flight: int = 8) -> list[str]:
-    """Starts `command` (an application on 127.0.0.1:8000), sends requests that take ~10 s, and
-    SIGINTs its process group 3 s later, as a terminal's Ctrl-C does: how each request was answered,
-    and how long the command took to exit."""
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+def ctrl_c(server: subprocess.Popen) -> None:
+    """As a terminal's Ctrl-C: SIGINT to the whole process group."""
+    os.killpg(server.pid, signal.SIGINT)
+
+
+def terminate(server: subprocess.Popen) -> None:
+    """As `docker stop` and Kubernetes stop a container: SIGTERM to the main process."""
+    server.send_signal(signal.SIGTERM)
+
+
+def stop_with_requests_in_flight(
+    command: list[str], stop: Callable[[subprocess.Popen], None], bodies: list[dict]
+) -> tuple[list[requests.Response | requests.RequestException], float | None]:
+    """Starts `command` in the repository (an application on 127.0.0.1:8000, on a Ray cluster of
+    its own), sends `bodies` at once, and `stop(server)` 3 s later: each request's answer (or the
+    error of one that got none), and the seconds the command took to exit (None: not within 60 s)."""
     server = subprocess.Popen(
         command,
-        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
         start_new_session=True,
         # A shell running this in the background ignores SIGINT, and its children inherit that.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    answers: list[str] = []
+    answers: list[requests.Response | requests.RequestException] = []
     try:
         started = time.monotonic()
-        while True:
-            assert time.monotonic() - started < 300 and server.poll() is None, f"{label} did not start"
-            try:
-                if requests.get("http://127.0.0.1:8000/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:  # not listening yet, or still deploying
-                pass
+        while not _answers_200("http://127.0.0.1:8000/health"):
+            if server.poll() is not None or time.monotonic() - started > 300:
+                raise RuntimeError(f"{command} did not start serving")
             time.sleep(1.0)
 
-        def client(i: int) -> None:
-            body = {**LIGHT, "prompt": str(i % 10), "num_outputs_per_prompt": 32, "seed": i}
+        def client(body: dict) -> None:
             try:
-                response = requests.post("http://127.0.0.1:8000/rollout/generate", json=body, timeout=120)
-                kind = "JSON" if response.headers.get("content-type") == "application/json" else "text"
-                answers.append(f"{response.status_code} ({kind})" if response.status_code != 200 else "200")
+                answers.append(requests.post("http://127.0.0.1:8000/rollout/generate", json=body, timeout=120))
             except requests.RequestException as error:
-                answers.append(f"no answer ({type(error).__name__})")
+                answers.append(error)
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(requests_in_flight)]
+        threads = [threading.Thread(target=client, args=(body,)) for body in bodies]
         for thread in threads:
             thread.start()
         time.sleep(3.0)
-        os.killpg(server.pid, signal.SIGINT)
-        interrupted = time.monotonic()
+        stop(server)
+        stopped = time.monotonic()
         try:
             server.wait(timeout=60)
-            exit_s = f"{time.monotonic() - interrupted:.1f}"
+            exit_s = time.monotonic() - stopped
         except subprocess.TimeoutExpired:
-            exit_s = "not within 60 s"
+            exit_s = None
         for thread in threads:
             thread.join()
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
-        # Ray's processes of that cluster, whatever became of the command.
+    return answers, exit_s
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=5).status_code == 200
+    except requests.RequestException:  # not listening yet, or still deploying
+        return False
+
+
+def _ctrl_c_row(label: str, command: list[str]) -> str:
+    bodies = [{**LIGHT, "prompt": str(i % 10), "num_outputs_per_prompt": 32, "seed": i} for i in range(8)]
+    try:
+        answers, exit_s = stop_with_requests_in_flight(command, ctrl_c, bodies)
+    finally:  # Ray's processes of that cluster, whatever became of the command
+        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], env=env, capture_output=True)
-    return [f"| {label} | {dict(sorted(Counter(answers).items()))} | {exit_s} |"]
+
+    def kind(answer: requests.Response | requests.RequestException) -> str:
+        if isinstance(answer, requests.RequestException):
+            return f"no answer ({type(answer).__name__})"
+        if answer.status_code == 200:
+            return "200"
+        return f"{answer.status_code} ({'JSON' if answer.headers.get('content-type') == 'application/json' else 'text'})"
+
+    exit_text = "not within 60 s" if exit_s is None else f"{exit_s:.1f}"
+    return f"| {label} | {dict(sorted(Counter(map(kind, answers)).items()))} | {exit_text} |"
 
 
 def main() -> None:
@@ -361,8 +391,8 @@ def main() -> None:
         "",
         "| command | answers | seconds to exit |",
         "|---|---|---|",
-        *ctrl_c_with_requests_in_flight("`make serve` (scripts/serve_local.py)", [sys.executable, "scripts/serve_local.py"]),
-        *ctrl_c_with_requests_in_flight(
+        _ctrl_c_row("`make serve` (scripts/serve_local.py)", [sys.executable, "scripts/serve_local.py"]),
+        _ctrl_c_row(
             "`serve run --name rollout deployments.app:build_app`",
             [str(bin_dir / "serve"), "run", "--name", "rollout", "deployments.app:build_app"],
         ),

@@ -3,25 +3,21 @@ a real local cluster, with the fault injected inside the worker replica."""
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 from http.client import HTTPConnection
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
 import requests
 from ray import serve
 
+from benchmarks.reliability import ctrl_c, stop_with_requests_in_flight, terminate
 from rollout.errors import NonFiniteOutputError
 from tests.deployments.replicas import deploy, on_replicas, pids, request_body
 
 pytestmark = pytest.mark.faults
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -146,65 +142,18 @@ def test_a_stopping_server_answers_every_request_in_flight(serve_app):
     assert len(answers) == 1 and deleted_s < 10
 
 
-def _ctrl_c(server: subprocess.Popen) -> None:  # a terminal signals the whole process group
-    os.killpg(server.pid, signal.SIGINT)
-
-
-def _terminate(server: subprocess.Popen) -> None:  # as `docker stop` and Kubernetes stop a container's main process
-    server.send_signal(signal.SIGTERM)
-
-
-@pytest.mark.parametrize("stop", [_ctrl_c, _terminate], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("stop", [ctrl_c, terminate], ids=["ctrl-c", "sigterm"])
 def test_make_serve_answers_every_request_in_flight_when_stopped(stop):
     """scripts/serve_local.py (`make serve`) on a Ray cluster of its own, stopped with requests in flight."""
-    server = subprocess.Popen(
+    long_request = {"prompt": ["1", "2"], "num_outputs_per_prompt": 16, "num_inference_steps": 40, "rollout_debug_mode": False}
+    answers, exit_s = stop_with_requests_in_flight(
         [sys.executable, "scripts/serve_local.py", "num_worker_replicas=1"],
-        cwd=REPO,
-        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
-        start_new_session=True,
-        # A shell running this in the background ignores SIGINT, and its children inherit that.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stop,
+        [{**long_request, "seed": seed} for seed in range(3)],
     )
-    url = "http://127.0.0.1:8000"
-    try:
-        started = time.monotonic()
-        while not _answers_200(f"{url}/health"):
-            assert server.poll() is None and time.monotonic() - started < 180, "make serve did not start"
-            time.sleep(1.0)
-        answers = []
-        long_request = {"prompt": ["1", "2"], "num_outputs_per_prompt": 16, "num_inference_steps": 40, "rollout_debug_mode": False}
-
-        def client(seed):
-            try:
-                answers.append(requests.post(f"{url}/rollout/generate", json={**long_request, "seed": seed}, timeout=120))
-            except requests.RequestException as error:  # a dropped connection: the test fails below
-                answers.append(error)
-
-        clients = [threading.Thread(target=client, args=(seed,)) for seed in range(3)]
-        for thread in clients:
-            thread.start()
-        time.sleep(3.0)  # sampling
-        stop(server)
-        stopped = time.monotonic()
-        server.wait(timeout=30)
-        exit_s = time.monotonic() - stopped
-        for thread in clients:
-            thread.join(timeout=60)
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
     # Every request is answered: with its samples if they were done in time, else with a retryable 503.
     statuses = [getattr(a, "status_code", a) for a in answers]
     assert len(statuses) == 3 and set(statuses) <= {200, 503} and 503 in statuses, statuses
     refused = [a for a in answers if a.status_code == 503]
     assert all(a.headers["retry-after"] == "1" and "send it again" in a.json()["error"]["message"] for a in refused)
-    assert exit_s < 10
-
-
-def _answers_200(url: str) -> bool:
-    try:
-        return requests.get(url, timeout=5).status_code == 200
-    except requests.RequestException:  # not listening yet, or still deploying
-        return False
+    assert exit_s is not None and exit_s < 10
