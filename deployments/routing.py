@@ -12,6 +12,11 @@ concurrently, and a request is only counted once its replica has accepted it, a 
 later; so a request's samples are also reserved on the replica it is about to be offered,
 and the reservation is replaced by the count when the replica accepts. Calls that carry no
 samples (weight commands, `info`) count nothing.
+
+Serve's routing task for a request may hand the replica it found to another pending request
+(`FIFOMixin` gives it to the oldest). The reservation would then sit on one replica while the
+request went to another, and a loaded runner split a burst 9/7; so a replica goes to the request
+it was chosen for, and to the oldest only when that one is gone.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ class FewestSamplesRouter(FIFOMixin, RequestRouter):
         self._reserved: dict[int, _Reservation] = {}
         self.outstanding_total = 0
         load.register(self)  # the ingress's measure of queued work (`_admit`)
+
+    def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
+        # FIFOMixin's hook for the request a found replica goes to; Serve's own lookup by id.
+        return self._get_pending_request_matching_internal_request_id(request_metadata)
 
     def _load(self) -> dict[ReplicaID, int]:
         now = time.monotonic()

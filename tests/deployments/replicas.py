@@ -2,6 +2,8 @@
 replica's process, to break its pipeline): what the fault tests share."""
 
 import os
+import threading
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import ray
@@ -24,6 +26,31 @@ def on_replicas(app_name: str, deployment: str, fn) -> list:
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"]
     replicas = [ray.get_actor(n, namespace="serve") for n in names if f"::{app_name}#{deployment}#" in n]
     return ray.get([replica.__ray_call__.remote(lambda _: fn(serve.get_replica_context().servable_object)) for replica in replicas])
+
+
+@contextmanager
+def held_samplers(app_name: str, hold_s: float = 60.0):
+    """Within the block, the worker replicas' sampler calls wait at their first model call (at most
+    `hold_s`): a test sees how work is placed before any of it completes and frees its replica."""
+
+    def hold(worker):
+        gate, velocity = threading.Event(), worker.pipeline.predict_velocity
+
+        def held_velocity(*args, **kwargs):
+            gate.wait(hold_s)
+            return velocity(*args, **kwargs)
+
+        held_velocity.gate = gate
+        worker.pipeline.predict_velocity = held_velocity
+
+    def release(worker):
+        vars(worker.pipeline).pop("predict_velocity").gate.set()
+
+    on_replicas(app_name, "RolloutWorker", hold)
+    try:
+        yield
+    finally:
+        on_replicas(app_name, "RolloutWorker", release)
 
 
 def pids(app_name: str, deployment: str) -> list[int]:

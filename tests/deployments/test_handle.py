@@ -14,6 +14,8 @@ from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.schedule import ScheduleSnapshot
+from tests.deployments.conftest import APP_NAME
+from tests.deployments.replicas import held_samplers
 
 
 def test_typed_result_with_one_schedule(handle):
@@ -64,7 +66,10 @@ def test_a_part_carries_its_schedule_once_across_the_object_store(handle):
 
 def test_concurrent_requests_are_batched(handle):
     bodies = [{"prompt": str(i % 10), "num_inference_steps": 6, "seed": 700 + i} for i in range(16)]
-    results = [response.result() for response in [handle.generate.remote(b) for b in bodies]]
+    # Held until the whole burst is placed: a batch that completes meanwhile frees its replica,
+    # and the router rightly sends it more, so the split would depend on the runner's speed.
+    with held_samplers(APP_NAME):
+        results = [response.result() for response in [handle.generate.remote(b) for b in bodies]]
     parts = [r.worker_results()[0] for r in results]
     sizes = [part.sampler_batch_size for part in parts]
     assert max(sizes) > 1, sizes

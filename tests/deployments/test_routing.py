@@ -91,3 +91,17 @@ def test_a_dead_replica_is_forgotten():
     router.on_replica_actor_died(replicas[0].replica_id)
     router.on_replica_actor_died(replicas[1].replica_id)
     assert router._outstanding == {} and router._sent == {} and router._reserved == {}
+
+
+def test_a_replica_found_for_a_request_goes_to_that_request():
+    """Serve's routing task hands the replica it found to a pending request: to the one it was
+    chosen (and reserved) for, not to the oldest; to the oldest only when that one is gone."""
+    router, replica = _router(), _replica("a")
+    older, chosen_for = _request(1, "older"), _request(1, "chosen-for")
+    for request in (older, chosen_for):
+        router._pending_requests_to_fulfill.append(request)
+        router._add_pending_request_to_indices(request)
+    router._fulfill_next_pending_request(replica, chosen_for.metadata)
+    assert chosen_for.future.result() is replica and not older.future.done()
+    router._fulfill_next_pending_request(replica, _request(1, "cancelled").metadata)
+    assert older.future.result() is replica
