@@ -8,6 +8,7 @@ import pytest
 import ray
 import torch
 
+from deployments.load import outstanding_samples
 from rollout.api import RolloutRequest
 from rollout.errors import InvalidRequestError, RequestSchemaError, UnknownPromptError
 from rollout.models.registry import load_pipeline
@@ -15,7 +16,7 @@ from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.schedule import ScheduleSnapshot
 from tests.deployments.conftest import APP_NAME
-from tests.deployments.replicas import held_samplers
+from tests.deployments.replicas import held_samplers, on_replicas
 
 
 def test_typed_result_with_one_schedule(handle):
@@ -41,8 +42,8 @@ def test_requests_fan_out_over_both_replicas(handle):
 
 def test_a_part_carries_its_schedule_once_across_the_object_store(handle):
     body = {"prompt": "7", "num_outputs_per_prompt": 8, "num_inference_steps": 50, "seed": 1, "rollout_debug_mode": False}
-    ref = handle.generate.remote(body).result().parts[0]  # 4 of the 8 samples
-    part = ray.get(ref)
+    ref, other = handle.generate.remote(body).result().parts  # 4 samples each
+    part, _ = ray.get([ref, other])  # both waited for: no work may outlive the test
     samples = part.batch.samples
     # Identity survives the trip: every sample refers to the one schedule object.
     assert len(samples) == 4 and all(s.schedule is part.batch.schedule for s in samples)
@@ -66,6 +67,8 @@ def test_a_part_carries_its_schedule_once_across_the_object_store(handle):
 
 def test_concurrent_requests_are_batched(handle):
     bodies = [{"prompt": str(i % 10), "num_inference_steps": 6, "seed": 700 + i} for i in range(16)]
+    # Placement is measured from idle workers: the router rightly counts work still running.
+    assert on_replicas(APP_NAME, "RolloutIngress", lambda _: outstanding_samples()) == [0]
     # Held until the whole burst is placed: a batch that completes meanwhile frees its replica,
     # and the router rightly sends it more, so the split would depend on the runner's speed.
     with held_samplers(APP_NAME):
