@@ -4,8 +4,8 @@
 
 Probes what issue 10 probed, against `build_app()` with its defaults (2 worker replicas):
 bad inputs by kind and how each was answered; a burst of 200 requests of 32 samples (served vs
-shed, p99 latency of the admitted ones, of `/health` and of the HTTP proxy's own health route
-meanwhile, and the CPU the proxy and the ingress spent); a worker replica killed with SIGKILL
+shed, p99 latency of the admitted ones, of `/health` on Serve's port and on the probe port, and of
+the HTTP proxy's own health route meanwhile, and the CPU the proxy and the ingress spent); a worker replica killed with SIGKILL
 during 60 s of load (requests lost, hung, and samples that differ from an undisturbed run); the
 ingress's memory before and after 500 requests and after the largest bad inputs; and Ctrl-C with
 requests in flight, for `make serve` and for plain `serve run`. The tests in tests/deployments
@@ -117,8 +117,9 @@ def bad_inputs() -> dict[str, tuple[bytes, dict]]:
 
 
 class Probe:
-    def __init__(self, port: int):
+    def __init__(self, port: int, probe_port: int):
         self.url = f"http://127.0.0.1:{port}/{APP}"
+        self.probe_url = f"http://127.0.0.1:{probe_port}"
         self.lines: list[str] = []
 
     def add(self, title: str, *lines: str) -> None:
@@ -156,7 +157,7 @@ class Probe:
 
         spawn = multiprocessing.get_context("spawn")
         stop, results = spawn.Event(), spawn.Queue()
-        health_urls = [f"{self.url}/health", f"{self.url.rsplit('/', 1)[0]}/-/healthz"]
+        health_urls = [f"{self.url}/health", f"{self.probe_url}/health", f"{self.url.rsplit('/', 1)[0]}/-/healthz"]
         pollers = [spawn.Process(target=_poll, args=(url, stop, results)) for url in health_urls]
         for poller in pollers:
             poller.start()
@@ -184,17 +185,19 @@ class Probe:
         self.add(
             "A burst beyond the queue",
             f"{clients} concurrent requests of {samples} light samples each (the default queue admits "
-            f"{4 * 2 * 32} samples: 4 batches per worker replica). Meanwhile two processes of their own "
-            "poll, every 100 ms, `/health` and the HTTP proxy's own health route `/-/healthz`, which Serve "
-            "answers without any application code.",
+            f"{4 * 2 * 32} samples: 4 batches per worker replica). Meanwhile three processes of their own "
+            "poll, every 100 ms, `/health` on Serve's port, `/health` on the probe port (answered by a "
+            "thread of the ingress replica, outside Serve's proxy: deployments/probes.py), and the HTTP "
+            "proxy's own health route `/-/healthz`, which Serve answers without any application code.",
             "",
             "| figure | value |",
             "|---|---|",
             f"| answers by status | {dict(sorted(statuses.items()))} |",
             f"| admitted: p50 / p99 latency (s) | {statistics.median(admitted):.2f} / {_percentile(admitted, 0.99):.2f} |",
             f"| shed (503 + Retry-After): max latency (s) | {max(shed, default=0):.3f} |",
-            latency_row("`/health` during the burst", health_urls[0]),
-            latency_row("`/-/healthz` (Serve's proxy alone) during the burst", health_urls[1]),
+            latency_row("`/health` on Serve's port during the burst", health_urls[0]),
+            latency_row("`/health` on the probe port during the burst", health_urls[1]),
+            latency_row("`/-/healthz` (Serve's proxy alone) during the burst", health_urls[2]),
             *(f"| CPU seconds the {name} process spent on the burst | {seconds:.2f} ({1000 * seconds / clients:.1f} ms per request) |"
               for name, seconds in cpu.items()),
         )
@@ -362,15 +365,16 @@ def _ctrl_c_row(label: str, command: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=8124)
+    parser.add_argument("--probe-port", type=int, default=8125)
     parser.add_argument("--output", type=Path, default=Path("docs/reliability.md"))
     args = parser.parse_args()
     start = time.monotonic()
     stolen_before, total_before = _stolen_and_total_ticks()
     ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    probe = Probe(args.port)
+    probe = Probe(args.port, args.probe_port)
     try:
-        handle = serve.run(build_app({"app_name": APP}), name=APP, route_prefix=f"/{APP}")
+        handle = serve.run(build_app({"app_name": APP, "probe_port": args.probe_port}), name=APP, route_prefix=f"/{APP}")
         ingress = _actor_pids("RolloutIngress")[0]
         memory = [("at start", _rss_mb(ingress))]
         probe.requests_500(handle)
@@ -403,7 +407,7 @@ def main() -> None:
         "",
         f"Command: `.venv/bin/python -m benchmarks.reliability` ({(time.monotonic() - start) / 60:.1f} min), "
         f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores, ray {ray.__version__}. The default "
-        "application (`build_app()`: 2 worker replicas, batches of 32, queue of 256 samples). The hypervisor "
+        "application (`build_app()`: 2 worker replicas, batches of 32, queue of 256 samples) with a probe port. The hypervisor "
         f"took {100 * stolen / total:.0f}% of this machine's CPU time during the run (steal time, /proc/stat).",
     ]
     args.output.write_text("\n".join(head + probe.lines) + "\n")

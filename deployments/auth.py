@@ -51,17 +51,22 @@ class BearerTokenMiddleware:
         await (refusal or self.app)(scope, receive, send)
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
-        token = self.token()
         # Behind a route prefix, Serve puts the prefix in both root_path and path.
-        if token is None or scope["path"].removeprefix(scope.get("root_path", "")) in OPEN_PATHS:
-            return None
-        scheme, credentials = get_authorization_scheme_param(Headers(scope=scope).get("authorization"))
-        if scheme.lower() != "bearer" or not credentials:
-            return _unauthorized("this server requires the header 'Authorization: Bearer <token>'", "Bearer")
-        # Headers arrive as latin-1; comparing bytes also accepts a non-ASCII token sent as UTF-8.
-        if not hmac.compare_digest(credentials.encode("latin-1"), token.get_secret_value().encode()):
-            return _unauthorized("the bearer token is not this server's", 'Bearer error="invalid_token"')
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        return bearer_refusal(path, Headers(scope=scope).get("authorization"), self.token())
+
+
+def bearer_refusal(path: str, authorization: str | None, token: SecretStr | None) -> JSONResponse | None:
+    """The 401 for a request to `path` with this `Authorization` header; None when it may pass."""
+    if token is None or path in OPEN_PATHS:
         return None
+    scheme, credentials = get_authorization_scheme_param(authorization)
+    if scheme.lower() != "bearer" or not credentials:
+        return _unauthorized("this server requires the header 'Authorization: Bearer <token>'", "Bearer")
+    # Headers arrive as latin-1; comparing bytes also accepts a non-ASCII token sent as UTF-8.
+    if not hmac.compare_digest(credentials.encode("latin-1"), token.get_secret_value().encode()):
+        return _unauthorized("the bearer token is not this server's", 'Bearer error="invalid_token"')
+    return None
 
 
 def _ingress_token() -> SecretStr | None:

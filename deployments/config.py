@@ -119,6 +119,16 @@ class RolloutAppConfig(BaseModel):
         description="Samples admitted and not yet sampled beyond which requests are refused with 503 (HTTP) "
         "or OverloadedError (handle); None: 4 full batches per worker replica.",
     )
+    probe_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port on which the ingress replica itself answers GET /health and /liveness, outside "
+        "Serve's HTTP proxy, so that no load delays them (docs/reliability.md); None: only Serve's port does.",
+    )
+    probe_host: str = Field(
+        "127.0.0.1", description="Interface the probe port listens on ('0.0.0.0': reachable from other machines)."
+    )
     limits: RequestLimits = Field(default_factory=RequestLimits)
     # Checked before a body is read (its Content-Length) and while it is read (a chunked body), so a
     # client cannot make the ingress hold more than this. A request of 64 long prompts is ~100 KB;

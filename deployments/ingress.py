@@ -9,6 +9,7 @@ deployment handle (`generate`, for RL loops inside the cluster).
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ReplicaState
 
 from deployments import discovery
-from deployments.auth import require_bearer_token
+from deployments.auth import bearer_refusal, require_bearer_token
 from deployments.config import RolloutAppConfig
 from deployments.errors import (
     DeadlineExceededError,
@@ -34,6 +35,7 @@ from deployments.errors import (
     error_response,
 )
 from deployments.load import outstanding_samples
+from deployments.probes import ProbeServer
 from deployments.worker import WorkerResult
 from deployments.weights import (
     DiskSource,
@@ -63,6 +65,9 @@ from rollout.trajectory import RolloutBatch
 logger = logging.getLogger("ray.serve")
 MSGPACK = "application/msgpack"
 HEALTH_TTL_S = 1.0
+# The probe port's first /health waits this long for the first status read (later ones never wait).
+FIRST_STATUS_WAIT_S = 5.0
+LIVE = {"status": "ok"}
 T = TypeVar("T")
 
 app = FastAPI(title="diffusion rollout server")
@@ -192,6 +197,16 @@ def _rollout_error_response(error: RolloutError) -> JSONResponse:
     return error_response(500, "", str(error), f"Generation failed: {error}")
 
 
+def _health_answer(running_workers: int | None) -> JSONResponse:
+    if running_workers is None:
+        reason = "the worker replicas' status could not be read yet"
+    elif running_workers == 0:
+        reason = "no worker replica is running"
+    else:
+        return JSONResponse({"status": "ok", "worker_replicas_running": running_workers})
+    return JSONResponse(status_code=503, content={"status": "unhealthy", "reason": reason})
+
+
 def _internal_error_response(request_id: str) -> JSONResponse:
     """A failure this server did not expect: logged in full, answered without internals (actor ids,
     addresses, tracebacks)."""
@@ -225,7 +240,7 @@ def _as_rollout_error(error: BaseException) -> RolloutError | None:
 @serve.deployment
 @serve.ingress(app)
 class RolloutIngress:
-    def __init__(self, worker: DeploymentHandle, coordinator: DeploymentHandle, config: RolloutAppConfig):
+    async def __init__(self, worker: DeploymentHandle, coordinator: DeploymentHandle, config: RolloutAppConfig):
         self.worker = worker
         self.coordinator = coordinator
         self.config = config
@@ -236,6 +251,13 @@ class RolloutIngress:
         self._running: int | None = None
         self._status_read: asyncio.Task | None = None
         self._stopping = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._status_known = threading.Event()
+        self._probes = None if config.probe_port is None else ProbeServer(config.probe_host, config.probe_port, self._probe)
+
+    def __del__(self):
+        if self._probes is not None:
+            self._probes.close()
 
     def _plan(self, request: RolloutRequest | dict[str, Any]) -> RolloutPlan:
         validation = self.config.request_validation
@@ -375,7 +397,7 @@ class RolloutIngress:
 
     @app.get("/liveness")  # SGLang's name: the process answers
     async def liveness(self) -> dict:
-        return {"status": "ok"}
+        return LIVE
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -383,18 +405,29 @@ class RolloutIngress:
         broke fails Serve's health check and stops counting). Answered from the last status read,
         which is renewed in the background when it is over `HEALTH_TTL_S` old, so that the answer
         never waits for Serve's controller, however loaded."""
-        running = await self._running_workers()
-        if not running:
-            return JSONResponse(status_code=503, content={"status": "unhealthy", "reason": "no worker replica is running"})
-        return JSONResponse({"status": "ok", "worker_replicas_running": running})
+        self._renew_status_if_stale()
+        if self._running is None:  # nothing read yet
+            await asyncio.shield(self._status_read)
+        return _health_answer(self._running)
 
-    async def _running_workers(self) -> int | None:
+    def _probe(self, path: str, authorization: str | None) -> Response:
+        """The probe port's answer (`deployments/probes.py`), on the probe thread: the same
+        routes, token and status as Serve's port."""
+        refusal = bearer_refusal(path, authorization, self.config.auth_token)
+        if refusal is not None:  # before the 404, as on Serve's port: no route is shown without the token
+            return refusal
+        if path not in ("/health", "/liveness"):
+            return error_response(404, "path", f"the probe port answers /health and /liveness, not {clip(path)}", "Not Found")
+        if path == "/liveness":
+            return JSONResponse(LIVE)
+        self._loop.call_soon_threadsafe(self._renew_status_if_stale)
+        self._status_known.wait(FIRST_STATUS_WAIT_S)
+        return _health_answer(self._running)
+
+    def _renew_status_if_stale(self) -> None:
         stale = time.monotonic() - self._workers_checked_at > HEALTH_TTL_S
         if stale and (self._status_read is None or self._status_read.done()):
             self._status_read = asyncio.create_task(self._read_running_workers())
-        if self._running is None:  # nothing read yet
-            await asyncio.shield(self._status_read)
-        return self._running
 
     async def _read_running_workers(self) -> None:
         try:
@@ -405,6 +438,7 @@ class RolloutIngress:
         workers = status.applications[serve.get_replica_context().app_name].deployments["RolloutWorker"]
         self._running = workers.replica_states.get(ReplicaState.RUNNING, 0)
         self._workers_checked_at = time.monotonic()
+        self._status_known.set()
 
     @app.get("/rollout/info")
     async def http_info(self) -> dict:

@@ -1,7 +1,8 @@
 """`serve run --name rollout deployments.app:build_app` for one machine, with safe local defaults:
-Ray's own servers listen on loopback, Serve's HTTP on 127.0.0.1:8000, and Ctrl-C (or SIGTERM)
-answers every request in flight before it stops: with its samples if they are done within half
-the app config's `graceful_shutdown_timeout_s`, else with a retryable 503.
+Ray's own servers listen on loopback, Serve's HTTP on 127.0.0.1:8000, `/health` and `/liveness`
+also on the probe port 127.0.0.1:8001 (answered however loaded the server is), and Ctrl-C (or
+SIGTERM) answers every request in flight before it stops: with its samples if they are done within
+half the app config's `graceful_shutdown_timeout_s`, else with a retryable 503.
 
     .venv/bin/python scripts/serve_local.py                          # or: make serve
     .venv/bin/python scripts/serve_local.py num_worker_replicas=1    # the app config's fields, as serve run takes them
@@ -24,12 +25,15 @@ from deployments.app import build_app  # noqa: E402
 from deployments.config import RolloutAppConfig  # noqa: E402
 
 
+PROBE_PORT = 8001
+
+
 def _stop_as_on_ctrl_c(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
 def main() -> None:
-    config = RolloutAppConfig.model_validate(convert_args_to_dict(tuple(sys.argv[1:])))
+    config = RolloutAppConfig.model_validate({"probe_port": PROBE_PORT, **convert_args_to_dict(tuple(sys.argv[1:]))})
     ray.init(address="local")
     # `docker stop` and Kubernetes stop the main process with SIGTERM, on which Ray's driver
     # handler would just exit: answer the requests in flight then too.
@@ -37,7 +41,8 @@ def main() -> None:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8000})
         ingress = serve.run(build_app(config), name=config.app_name, route_prefix="/")
-        print(f"serving application {config.app_name!r} on http://127.0.0.1:8000; Ctrl-C stops it", flush=True)
+        probes = f"http://{config.probe_host}:{config.probe_port}"
+        print(f"serving application {config.app_name!r} on http://127.0.0.1:8000 (probes: {probes}); Ctrl-C stops it", flush=True)
         try:
             threading.Event().wait()
         except KeyboardInterrupt:

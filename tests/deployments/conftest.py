@@ -36,7 +36,7 @@ TEST_CONFIG = {
 }
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -58,7 +58,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def serve_app(ray_cluster):
     """(handle, base_url) of the test application."""
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     handle = serve.run(build_app(TEST_CONFIG), name=APP_NAME, route_prefix="/")
     return handle, f"http://127.0.0.1:{port}"

@@ -28,14 +28,13 @@ def one_worker(serve_app):
     serve.delete(app.name)
 
 
-def _health_until(app, status: int, timeout_s: float = 90.0) -> float:
-    """Seconds until `/health` answers `status`, polled every 0.1 s."""
+def _health_until(app, status: int, timeout_s: float = 90.0) -> None:
+    """Waits until `/health` answers `status` on Serve's port and on the probe port, polled every 0.1 s."""
     start = time.monotonic()
     with requests.Session() as session:
-        while session.get(f"{app.url}/health", timeout=5).status_code != status:
-            assert time.monotonic() - start < timeout_s, f"/health never answered {status}"
+        while {session.get(f"{url}/health", timeout=5).status_code for url in (app.url, app.probe_url)} != {status}:
+            assert time.monotonic() - start < timeout_s, f"/health never answered {status} on both ports"
             time.sleep(0.1)
-    return time.monotonic() - start
 
 
 def test_non_finite_samples_are_never_served_as_a_success(one_worker, http):
@@ -71,7 +70,8 @@ def test_a_broken_pipeline_is_unhealthy_until_serve_replaces_its_replica(one_wor
         response = http.post(f"{one_worker.url}/rollout/generate", json=request_body(i))
         assert response.status_code == 500 and "CUDA" not in response.text and "internal error" in response.text
     _health_until(one_worker, 503)
-    assert http.get(f"{one_worker.url}/health").json()["reason"] == "no worker replica is running"
+    for url in (one_worker.url, one_worker.probe_url):
+        assert http.get(f"{url}/health").json()["reason"] == "no worker replica is running"
     _health_until(one_worker, 200)
     assert pids(one_worker.name, "RolloutWorker") != [broken_pid]
     assert http.post(f"{one_worker.url}/rollout/generate", json=request_body(1)).status_code == 200

@@ -106,10 +106,10 @@ def test_beyond_its_queue_the_server_sheds_load_and_recovers(small_queue):
     def client(i):
         answers.append(requests.post(f"{app.url}/rollout/generate", json={**request_body(i, samples=4), "rollout_debug_mode": False}))
 
-    def poll_health():
+    def poll_health():  # on Serve's port and on the probe port
         with requests.Session() as session:
             while not stop.is_set():
-                health.append(session.get(f"{app.url}/health", timeout=30).status_code)
+                health.extend(session.get(f"{url}/health", timeout=30).status_code for url in (app.url, app.probe_url))
                 time.sleep(0.05)
 
     poller = threading.Thread(target=poll_health)

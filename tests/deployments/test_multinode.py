@@ -2,25 +2,20 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.deployments.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scripts" / "multinode_check.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_updates_and_requests_span_two_nodes():
     # Its own process: a multi-node cluster cannot share a driver with the session's cluster.
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), str(_free_port())],
+        [sys.executable, str(SCRIPT), str(free_port())],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,

@@ -14,6 +14,7 @@ from deployments.app import build_app
 from deployments.auth import AUTH_TOKEN_ENV, BearerTokenMiddleware
 from deployments.config import RolloutAppConfig
 from deployments.ingress import app as ingress_app
+from tests.deployments.conftest import free_port
 
 UNIT_TOKEN = "s3cret-tök"
 
@@ -96,10 +97,13 @@ ROUTES = sorted(
 PROTECTED = [(method, path) for method, path in ROUTES if path != "/liveness"]
 
 
+PROBE_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def auth_url(serve_app, app_config):
     """The URL of an application that requires TOKEN, beside the session's (which requires none)."""
-    config = {**app_config, "app_name": AUTH_APP, "auth_token": TOKEN, "num_worker_replicas": 1}
+    config = {**app_config, "app_name": AUTH_APP, "auth_token": TOKEN, "num_worker_replicas": 1, "probe_port": PROBE_PORT}
     serve.run(build_app(config), name=AUTH_APP, route_prefix=f"/{AUTH_APP}")
     yield f"{serve_app[1]}/{AUTH_APP}"
     serve.delete(AUTH_APP)
@@ -129,6 +133,19 @@ def test_liveness_and_the_handle_need_no_token(http, auth_url, base_url):
     assert serve.get_app_handle(AUTH_APP).info.remote().result()["weight_version"] == "test-v1"
     # The session's application has no token: its routes stay open.
     assert http.get(f"{base_url}/health", timeout=10).status_code == 200
+
+
+def test_the_probe_port_asks_for_the_same_token(http, auth_url):
+    probe_url = f"http://127.0.0.1:{PROBE_PORT}"
+    for path in ("/health", "/no-such-route"):
+        for token, challenge in ((None, "Bearer"), (WRONG_TOKEN, 'Bearer error="invalid_token"')):
+            refused = _send(http, probe_url, "GET", path, token)
+            assert refused.status_code == 401 and refused.headers["WWW-Authenticate"] == challenge
+    assert _send(http, probe_url, "GET", "/liveness").json() == {"status": "ok"}
+    health = _send(http, probe_url, "GET", "/health", TOKEN)
+    assert health.status_code == 200 and health.json() == _send(http, auth_url, "GET", "/health", TOKEN).json()
+    missing = _send(http, probe_url, "GET", "/rollout/generate", TOKEN)
+    assert missing.status_code == 404 and "/health and /liveness" in missing.json()["error"]["message"]
 
 
 def _is_loopback(ip: str) -> bool:
