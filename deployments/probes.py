@@ -1,7 +1,7 @@
 """`/health` and `/liveness` on a port of their own, answered by a thread of the ingress replica.
 
 Under a burst, Serve's HTTP proxy and the ingress's event loop each hold seconds of queued work
-(about 10 ms of CPU per request each on 2 cores, docs/reliability.md), and a probe sent to Serve's
+(10-16 ms of CPU per request each on 2 cores, docs/reliability.md), and a probe sent to Serve's
 port waits in both queues: `/health`'s 99th percentile was 0.16-0.6 s. This listener skips them:
 its thread only waits for the interpreter lock, which the event loop hands over every few
 milliseconds, and it answers from the status the ingress already holds.
