@@ -420,13 +420,16 @@ class RolloutIngress:
             return error_response(404, "path", f"the probe port answers /health and /liveness, not {clip(path)}", "Not Found")
         if path == "/liveness":
             return JSONResponse(LIVE)
-        self._loop.call_soon_threadsafe(self._renew_status_if_stale)
+        if self._status_stale():  # the event loop is woken only when there is a read to start
+            self._loop.call_soon_threadsafe(self._renew_status_if_stale)
         self._status_known.wait(FIRST_STATUS_WAIT_S)
         return _health_answer(self._running)
 
+    def _status_stale(self) -> bool:
+        return time.monotonic() - self._workers_checked_at > HEALTH_TTL_S
+
     def _renew_status_if_stale(self) -> None:
-        stale = time.monotonic() - self._workers_checked_at > HEALTH_TTL_S
-        if stale and (self._status_read is None or self._status_read.done()):
+        if self._status_stale() and (self._status_read is None or self._status_read.done()):
             self._status_read = asyncio.create_task(self._read_running_workers())
 
     async def _read_running_workers(self) -> None:
