@@ -17,6 +17,7 @@ from rollout.replay import replay_log_probs
 from rollout.schedule import ScheduleSnapshot
 from tests.deployments.conftest import APP_NAME
 from tests.deployments.replicas import held_samplers, on_replicas
+from tests.reference_bits import DIGITS_REQUESTS, REFERENCE, batch_records, field_digests
 
 
 def test_typed_result_with_one_schedule(handle):
@@ -134,3 +135,10 @@ def test_sampling_options_match_the_library(handle):
     expected = dict(num_inference_steps=4, height=16, width=16, guidance_scale=2.0, sde_type="cps", debug=True)
     assert batch.options == SamplingOptions(**expected, return_step_indices=())
     assert batch.samples[0].latents.shape == (0, 1, 16, 16)
+
+
+@pytest.mark.parametrize("name", sorted(DIGITS_REQUESTS))
+def test_batches_keep_their_bits(handle, name):
+    """The fixed requests of `tests/reference_bits.py` through `batch()`, against the committed digests."""
+    batch = handle.generate.remote(DIGITS_REQUESTS[name]).result().batch()
+    REFERENCE.check(f"handle:embedded-digits:{name}", field_digests(batch_records(batch)))

@@ -8,6 +8,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.codec import encode_tensor, from_json, from_msgpack
+from tests.reference_bits import DIGITS_REQUESTS, REFERENCE, field_digests
 
 
 def post(http, base_url, body, accept="application/msgpack"):
@@ -215,3 +216,11 @@ def test_the_server_keeps_serving_after_bad_requests(http, base_url):
         http.post(f"{base_url}/rollout/generate", data=json.dumps(body))
     rows = post(http, base_url, {"prompt": "0", "num_inference_steps": 3, "seed": 5})
     assert rows[0]["rollout_log_probs"].shape == (3,)
+
+
+@pytest.mark.parametrize("name", sorted(DIGITS_REQUESTS))
+def test_rows_keep_their_bits(http, base_url, name):
+    """The fixed requests of `tests/reference_bits.py`, msgpack and JSON rows against the committed digests."""
+    for accept in ("application/msgpack", "application/json"):
+        rows = post(http, base_url, DIGITS_REQUESTS[name], accept)
+        REFERENCE.check(f"http:embedded-digits:{name}", field_digests(rows))

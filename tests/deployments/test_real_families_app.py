@@ -10,12 +10,13 @@ import torch
 from ray import serve
 
 from deployments.app import build_app
-from rollout.codec import from_msgpack
+from rollout.codec import from_json, from_msgpack
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.sampler import sample
+from tests.reference_bits import REFERENCE, batch_records, family_requests, field_digests
 
 FAMILIES = ["sd3", "flux", "qwenimage"]
 GUIDANCE = {"sd3": {"guidance_scale": 4.5}, "flux": {"true_cfg_scale": 2.5}, "qwenimage": {"true_cfg_scale": 4.0}}
@@ -122,3 +123,17 @@ def test_concurrent_requests_of_different_sizes_are_sampled_apart(family_apps):
         batch = response.result().batch()
         assert batch.schedule.equals(local.schedule(2, size, size))
         assert batch.samples[0].image.shape == (3, size, size)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_served_rollouts_keep_their_bits(family_apps, family, http):
+    """The fixed requests of `tests/reference_bits.py`, over HTTP (msgpack and JSON) and the handle."""
+    handle, url, _ = family_apps[family]
+    for name, body in family_requests(family).items():
+        for accept in ("application/msgpack", "application/json"):
+            response = http.post(f"{url}/rollout/generate", json=body, headers={"Accept": accept})
+            assert response.status_code == 200, response.text
+            rows = (from_msgpack if accept == "application/msgpack" else from_json)(response.content)
+            REFERENCE.check(f"http:{family}:{name}", field_digests(rows))
+        batch = handle.generate.remote(body).result().batch()
+        REFERENCE.check(f"handle:{family}:{name}", field_digests(batch_records(batch)))
