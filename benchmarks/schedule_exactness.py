@@ -20,7 +20,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-from rollout.schedule import ScheduleSnapshot
+from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 from rollout.transitions import TransitionKind, take_step
 
 SD3 = {"shift": 3.0}
@@ -39,11 +39,14 @@ TABLE_STEPS = (1, 2, 4, 10, 20, 28, 50, 100)
 
 
 def schedule(config: dict, tokens: int | None, steps: int) -> ScheduleSnapshot:
+    """The family's schedule; the time input is the family's in fp32 (only the sigmas are studied here)."""
     scheduler = FlowMatchEulerDiscreteScheduler(**config)
-    if tokens is None:
-        return ScheduleSnapshot.from_scheduler(scheduler, steps)
+    if tokens is None:  # SD3: static shift, timesteps as they are
+        return ScheduleSnapshot.from_scheduler(scheduler, steps, model_timesteps=timesteps_as_they_are)
     mu = calculate_shift(tokens, config["base_image_seq_len"], config["max_image_seq_len"], config["base_shift"], config["max_shift"])
-    return ScheduleSnapshot.from_scheduler(scheduler, steps, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    sigmas = np.linspace(1.0, 1 / steps, steps)
+    # FLUX.1 and Qwen-Image: dynamic shifting, and a time input of timesteps / 1000
+    return ScheduleSnapshot.from_scheduler(scheduler, steps, sigmas=sigmas, mu=mu, model_timesteps=lambda t: t / 1000)
 
 
 def rebuilt_sigmas(snapshot: ScheduleSnapshot, dtype: torch.dtype) -> torch.Tensor:

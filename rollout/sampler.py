@@ -186,4 +186,4 @@ def sample(
         )
         for i in range(len(prompts))
     ]
-    return RolloutBatch(schedule=schedule, options=options, samples=samples)
+    return RolloutBatch(schedule=schedule, options=options, model=pipeline.name, samples=samples)

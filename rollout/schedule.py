@@ -9,7 +9,7 @@ filtered by step filters; consumers index it by absolute step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -17,6 +17,12 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.errors import InvalidRequestError
+
+
+def timesteps_as_they_are(timesteps: torch.Tensor) -> torch.Tensor:
+    """The time input of a transformer that takes the scheduler's `timesteps` unchanged (SD3, the
+    embedded model): the `model_timesteps` mapping of `ScheduleSnapshot.from_scheduler`."""
+    return timesteps
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,16 +37,15 @@ class ScheduleSnapshot:
             computed from `timesteps` the way the model family does (SD3 takes `timesteps`
             as they are; FLUX.1 and Qwen-Image round them to the model dtype and divide by
             1000). Replay feeds these, so the transformer sees what it saw in the rollout.
-            Defaults to `timesteps`.
+            Always given, never defaulted: for FLUX.1 it is `timesteps / 1000`, and a snapshot
+            rebuilt with `timesteps` in its place replays with a time input 1000x too large.
     """
 
     sigmas: torch.Tensor
     timesteps: torch.Tensor
-    model_timesteps: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    model_timesteps: torch.Tensor
 
     def __post_init__(self):
-        if self.model_timesteps is None:
-            object.__setattr__(self, "model_timesteps", self.timesteps.float())
         if self.sigmas.dtype != torch.float32:
             raise ValueError(f"sigmas must be float32, got {self.sigmas.dtype}")
         if self.sigmas.ndim != 1 or self.timesteps.ndim != 1 or self.sigmas.shape[0] != self.timesteps.shape[0] + 1:
@@ -66,7 +71,7 @@ class ScheduleSnapshot:
         *,
         sigmas: np.ndarray | None = None,
         mu: float | None = None,
-        model_timesteps: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        model_timesteps: Callable[[torch.Tensor], torch.Tensor],
     ) -> "ScheduleSnapshot":
         """Runs `set_timesteps` on a private copy of `scheduler` and keeps its tensors.
 
@@ -76,8 +81,8 @@ class ScheduleSnapshot:
         Args:
             sigmas, mu: passed to `set_timesteps`, as the model family's diffusers pipeline
                 passes them (`mu` is the resolution-dependent shift of dynamic shifting).
-            model_timesteps: maps the scheduler's `timesteps` to the transformer's time input;
-                None: the transformer takes `timesteps` as they are.
+            model_timesteps: maps the scheduler's `timesteps` to the transformer's time input, as
+                the model family computes it (`timesteps_as_they_are` where it takes them unchanged).
         """
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1, got {num_steps!r}")
@@ -90,7 +95,7 @@ class ScheduleSnapshot:
         return cls(
             sigmas=own_scheduler.sigmas.detach().clone(),
             timesteps=timesteps,
-            model_timesteps=None if model_timesteps is None else model_timesteps(timesteps).float(),
+            model_timesteps=model_timesteps(timesteps).float().clone(),  # its own tensor, even where it equals timesteps
         )
 
     def latent_timesteps(self, latent_step_indices: torch.Tensor) -> torch.Tensor:

@@ -91,10 +91,19 @@ class SampleTrajectory:
 
 @dataclass(frozen=True)
 class RolloutBatch:
-    """Samples that share one schedule and one set of options (with the model's defaults filled in)."""
+    """Samples that share one schedule and one set of options (with the model's defaults filled in).
+
+    Attributes:
+        schedule: the request's schedule, the one object every sample refers to.
+        options: how the samples were sampled, with the model's defaults filled in.
+        model: the model that sampled them, as `rollout.models.registry` names it (a family's
+            `name`): what a consumer needs to replay them with the right time input.
+        samples: per-sample data, in request order.
+    """
 
     schedule: ScheduleSnapshot
     options: SamplingOptions
+    model: str
     samples: list[SampleTrajectory] = field(default_factory=list)
 
     def __post_init__(self):
@@ -102,21 +111,24 @@ class RolloutBatch:
             raise ValueError("every sample of a batch must refer to the batch's schedule object")
 
     def __reduce__(self):
-        return _unpacked_batch, (self.schedule, self.options, [_plain_fields(s) for s in self.samples], _stacked(self.samples))
+        plain = [_plain_fields(s) for s in self.samples]
+        return _unpacked_batch, (self.schedule, self.options, self.model, plain, _stacked(self.samples))
 
     def subset(self, indices: Sequence[int]) -> "RolloutBatch":
         """The samples at `indices`, sharing this batch's schedule."""
-        return RolloutBatch(self.schedule, self.options, [self.samples[i] for i in indices])
+        return RolloutBatch(self.schedule, self.options, self.model, [self.samples[i] for i in indices])
 
     @classmethod
     def concat(cls, parts: Sequence["RolloutBatch"]) -> "RolloutBatch":
-        """Joins batches sampled with the same options and a bit-identical schedule.
+        """Joins batches sampled by one model with the same options and a bit-identical schedule.
 
         The result keeps the first part's schedule object and points every sample at it, so the
         joined batch still carries its schedule once.
         """
         first = parts[0]
         for part in parts[1:]:
+            if part.model != first.model:
+                raise ValueError(f"cannot join batches of different models: {first.model!r} != {part.model!r}")
             if part.options != first.options:
                 raise ValueError(f"cannot join batches with different options: {first.options} != {part.options}")
             if not part.schedule.equals(first.schedule):
@@ -126,7 +138,7 @@ class RolloutBatch:
             for part in parts
             for sample in part.samples
         ]
-        return cls(first.schedule, first.options, samples)
+        return cls(first.schedule, first.options, first.model, samples)
 
 
 _TENSOR_FIELDS = ("image", "final_latents", "log_probs", "latents", "latent_step_indices")
@@ -170,6 +182,7 @@ def _stacked(samples: Sequence[SampleTrajectory]) -> dict[str, np.ndarray | list
 def _unpacked_batch(
     schedule: ScheduleSnapshot,
     options: SamplingOptions,
+    model: str,
     plain: list[dict[str, Any]],
     stacked: dict[str, np.ndarray | list[torch.Tensor]],
 ) -> RolloutBatch:
@@ -183,4 +196,4 @@ def _unpacked_batch(
         _sample({**fields, "schedule": schedule}, {name: column[i] for name, column in columns.items()})
         for i, fields in enumerate(plain)
     ]
-    return RolloutBatch(schedule, options, samples)
+    return RolloutBatch(schedule, options, model, samples)

@@ -77,6 +77,7 @@ def test_rebuilding_sigmas_from_timesteps_breaks_the_ratio(random_pipeline, rebu
     rebuilt = ScheduleSnapshot(
         sigmas=torch.cat([(batch.schedule.timesteps.to(rebuild_dtype) / 1000).float(), torch.zeros(1)]),
         timesteps=batch.schedule.timesteps,
+        model_timesteps=batch.schedule.model_timesteps,
     )
     assert not torch.equal(rebuilt.sigmas, batch.schedule.sigmas)
 

@@ -3,7 +3,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.errors import InvalidRequestError
-from rollout.schedule import ScheduleSnapshot
+from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
 
 def fresh_schedule(config: dict, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -17,7 +17,7 @@ def fresh_schedule(config: dict, num_steps: int) -> tuple[torch.Tensor, torch.Te
 def test_snapshot_is_bit_identical_to_a_fresh_scheduler(num_steps, shift):
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
     scheduler.set_timesteps(13)  # a stale state from an earlier request must not leak in
-    snapshot = ScheduleSnapshot.from_scheduler(scheduler, num_steps)
+    snapshot = ScheduleSnapshot.from_scheduler(scheduler, num_steps, model_timesteps=timesteps_as_they_are)
     sigmas, timesteps = fresh_schedule(scheduler.config, num_steps)
 
     assert snapshot.sigmas.dtype == torch.float32
@@ -31,7 +31,7 @@ def test_snapshot_is_bit_identical_to_a_fresh_scheduler(num_steps, shift):
 
 def test_snapshot_does_not_change_when_the_scheduler_does():
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    snapshot = ScheduleSnapshot.from_scheduler(scheduler, 40)
+    snapshot = ScheduleSnapshot.from_scheduler(scheduler, 40, model_timesteps=timesteps_as_they_are)
     expected = snapshot.sigmas.clone(), snapshot.timesteps.clone()
 
     scheduler.sigmas.mul_(0.5)
@@ -44,7 +44,7 @@ def test_snapshot_does_not_change_when_the_scheduler_does():
 
 def test_shifted_sigmas_are_not_timesteps_over_1000():
     # The drift this project exists to remove: in fp32, timesteps / 1000 is not the schedule.
-    snapshot = ScheduleSnapshot.from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0), 40)
+    snapshot = ScheduleSnapshot.from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0), 40, model_timesteps=timesteps_as_they_are)
     rebuilt = snapshot.timesteps / 1000
     assert not torch.equal(rebuilt, snapshot.sigmas[:-1])
 
@@ -52,12 +52,19 @@ def test_shifted_sigmas_are_not_timesteps_over_1000():
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "20", None])
 def test_bad_step_count_names_the_field(bad):
     with pytest.raises(InvalidRequestError) as info:
-        ScheduleSnapshot.from_scheduler(FlowMatchEulerDiscreteScheduler(), bad)
+        ScheduleSnapshot.from_scheduler(FlowMatchEulerDiscreteScheduler(), bad, model_timesteps=timesteps_as_they_are)
     assert info.value.field == "num_inference_steps"
 
 
 def test_snapshot_rejects_inconsistent_shapes():
     with pytest.raises(ValueError, match="T \\+ 1"):
-        ScheduleSnapshot(sigmas=torch.zeros(4), timesteps=torch.zeros(4))
+        ScheduleSnapshot(sigmas=torch.zeros(4), timesteps=torch.zeros(4), model_timesteps=torch.zeros(4))
     with pytest.raises(ValueError, match="float32"):
-        ScheduleSnapshot(sigmas=torch.zeros(4, dtype=torch.float64), timesteps=torch.zeros(3))
+        ScheduleSnapshot(sigmas=torch.zeros(4, dtype=torch.float64), timesteps=torch.zeros(3), model_timesteps=torch.zeros(3))
+
+
+def test_the_time_input_is_required_never_defaulted():
+    with pytest.raises(TypeError, match="model_timesteps"):
+        ScheduleSnapshot(sigmas=torch.zeros(4), timesteps=torch.zeros(3))
+    with pytest.raises(TypeError, match="model_timesteps"):
+        ScheduleSnapshot.from_scheduler(FlowMatchEulerDiscreteScheduler(), 3)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from rollout.schedule import ScheduleSnapshot
+from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 from rollout.transitions import LogProbForm, TransitionKind, gaussian_log_prob, take_step
 
-SCHEDULE = ScheduleSnapshot.from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0), 10)
+SCHEDULE = ScheduleSnapshot.from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0), 10, model_timesteps=timesteps_as_they_are)
 SHAPE = (3, 1, 4, 4)
 
 

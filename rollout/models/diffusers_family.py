@@ -30,7 +30,7 @@ from torch import nn
 from rollout.errors import InvalidRequestError, ModelLoadError, UnknownPromptError
 from rollout.models.base import Conditioning, MicroBatching
 from rollout.options import SamplingOptions
-from rollout.schedule import ScheduleSnapshot
+from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
 
 def read_model_index(path: str | Path) -> dict[str, Any]:
@@ -162,7 +162,7 @@ class DiffusersFamily:
 
     def model_timesteps(self, timesteps: torch.Tensor) -> torch.Tensor:
         """The transformer's time input at each step; by default the scheduler's `timesteps`."""
-        return timesteps
+        return timesteps_as_they_are(timesteps)
 
     def dynamic_shift_kwargs(self, num_steps: int, height: int, width: int, max_shift: float) -> dict[str, Any]:
         """FLUX.1's and Qwen-Image's call: sigmas `linspace(1, 1/T, T)` and a `mu` that grows with

@@ -22,7 +22,7 @@ from torch import nn
 from rollout.errors import InvalidRequestError, UnknownPromptError, short_repr
 from rollout.models.base import Conditioning, MicroBatching, batched_cfg_velocity, cfg_scale
 from rollout.options import SamplingOptions
-from rollout.schedule import ScheduleSnapshot
+from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "digit-flow"
 IMAGE_SIZE = 16
@@ -191,7 +191,7 @@ class DigitFlowPipeline:
         return (1, IMAGE_SIZE, IMAGE_SIZE)
 
     def schedule(self, num_steps: int, height: int, width: int) -> ScheduleSnapshot:
-        return ScheduleSnapshot.from_scheduler(self.scheduler, num_steps)
+        return ScheduleSnapshot.from_scheduler(self.scheduler, num_steps, model_timesteps=timesteps_as_they_are)
 
     def _class_ids(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> tuple[list[int], list[int]]:
         if len(prompts) != len(negative_prompts):

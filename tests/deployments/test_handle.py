@@ -55,7 +55,7 @@ def test_a_part_carries_its_schedule_once_across_the_object_store(handle):
         return serializer.serialize(value).total_bytes
 
     def own_copy(sample):
-        schedule = ScheduleSnapshot(sample.schedule.sigmas.clone(), sample.schedule.timesteps.clone())
+        schedule = ScheduleSnapshot(*(t.clone() for t in (sample.schedule.sigmas, sample.schedule.timesteps, sample.schedule.model_timesteps)))
         return dataclasses.replace(sample, schedule=schedule)
 
     stored = ray.experimental.get_object_locations([ref])[ref]["object_size"]

@@ -1,11 +1,15 @@
 """SD3, FLUX.1 and Qwen-Image served end to end: one application per family, loaded from a tiny
-diffusers directory with the family read from its model_index.json, over HTTP and the handle.
+diffusers directory with the family read from its model_index.json, over HTTP and the handle;
+and, with the embedded model too, the schedule on every served path.
 
 The served bits are compared with the library run locally on the same directory: same seeds,
 same micro-batch size, so the same numbers.
 """
 
+import dataclasses
+
 import pytest
+import ray
 import torch
 from ray import serve
 
@@ -16,6 +20,7 @@ from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.sampler import sample
+from rollout.schedule import ScheduleSnapshot
 from tests.reference_bits import REFERENCE, batch_records, family_requests, field_digests
 
 FAMILIES = ["sd3", "flux", "qwenimage"]
@@ -137,3 +142,40 @@ def test_served_rollouts_keep_their_bits(family_apps, family, http):
             REFERENCE.check(f"http:{family}:{name}", field_digests(rows))
         batch = handle.generate.remote(body).result().batch()
         REFERENCE.check(f"handle:{family}:{name}", field_digests(batch_records(batch)))
+
+
+def served_rollout(family, family_apps, serve_app, embedded_pipeline):
+    """(handle, url, local pipeline, a body of 2 prompts x 2 samples, 4 SDE steps) for a family."""
+    if family == "embedded-digits":
+        handle, url = serve_app
+        return handle, url, embedded_pipeline, {"prompt": ["3", "7"], "height": 16, "width": 16}
+    handle, url, local = family_apps[family]
+    return handle, url, local, {"prompt": ["a red cube", "a cat"], "height": 32, "width": 64}
+
+
+@pytest.mark.parametrize("family", ["embedded-digits", *FAMILIES])
+def test_the_schedule_survives_every_served_path(family, family_apps, serve_app, embedded_pipeline, http):
+    """HTTP rows (msgpack and JSON), the handle's `batch()`, and a batch put through the object store:
+    sigmas, timesteps and the time input bit-equal to the scheduler's own, and replay exact."""
+    handle, url, local, body = served_rollout(family, family_apps, serve_app, embedded_pipeline)
+    body = {**body, "num_outputs_per_prompt": 2, "num_inference_steps": 4, "seed": 3, "rollout_debug_mode": False,
+            "rollout_return_dit_trajectory": True}  # fmt: skip
+    own = local.schedule(4, body["height"], body["width"])
+    batch = handle.generate.remote(body).result().batch()
+    stored = ray.get(ray.put(batch))
+    for arrived in (batch, stored):
+        assert arrived.model == family and all(s.schedule is arrived.schedule for s in arrived.samples)
+        assert arrived.schedule.equals(own)
+        replayed = replay_log_probs(local, arrived.schedule, arrived.options, arrived.samples)
+        assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in arrived.samples]))
+    for accept, decode in (("application/msgpack", from_msgpack), ("application/json", from_json)):
+        response = http.post(f"{url}/rollout/generate", json=body, headers={"Accept": accept})
+        assert response.status_code == 200, response.text
+        rows = decode(response.content)
+        for row in rows:
+            trajectory = row["dit_trajectory"]
+            from_row = ScheduleSnapshot(trajectory["sigmas"], trajectory["scheduler_timesteps"], trajectory["model_timesteps"])
+            assert from_row.equals(own), accept
+        samples = [dataclasses.replace(s, schedule=from_row, latents=row["dit_trajectory"]["latents"]) for s, row in zip(batch.samples, rows)]
+        replayed = replay_log_probs(local, from_row, batch.options, samples)
+        assert torch.equal(replayed.log_probs, torch.stack([row["rollout_log_probs"] for row in rows])), accept
