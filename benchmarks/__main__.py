@@ -37,10 +37,12 @@ from benchmarks.serving import (
     tensor_bytes,
 )
 from deployments.app import build_app
-from rollout.api import RequestLimits, RolloutRequest, plan_rollout, response_rows
 from rollout.codec import to_json, to_msgpack
 from rollout.models.registry import load_pipeline
+from rollout.plan import RequestLimits, plan_rollout
+from rollout.rows import response_rows
 from rollout.sampler import sample
+from rollout.schema import RolloutRequest
 from rollout.trajectory import RolloutBatch
 
 STEPS = 20

@@ -8,9 +8,9 @@ final latents between:
 - each of them and the fp32 pipeline (the reference both approximate);
 - the rollout and the pipeline with fp32 weights (the batch-composition floor).
 
-    python benchmarks/bf16_paths.py --steps 4 10
+    .venv/bin/python -m benchmarks.bf16_paths --steps 4 10
 
-It runs on the tiny random-weight copies the tests build (`tests/tiny_families.py`): their
+It runs on the tiny random-weight copies the tests build (`rollout/tiny_families.py`): their
 numbers say how the two paths differ, not how large the difference is on real weights; the GPU
 check (`scripts/gpu_check.py`) measures the real-size one.
 """
@@ -18,20 +18,16 @@ check (`scripts/gpu_check.py`) measures the real-size one.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-from rollout.models.base import MicroBatching  # noqa: E402
-from rollout.models.registry import load_pipeline  # noqa: E402
-from rollout.options import SamplingOptions  # noqa: E402
-from rollout.sampler import sample  # noqa: E402
-from rollout.transitions import TransitionKind  # noqa: E402
+from rollout.models.base import MicroBatching
+from rollout.models.registry import load_pipeline
+from rollout.options import SamplingOptions
+from rollout.sampler import sample
+from rollout.transitions import TransitionKind
 
 PROMPTS = ["a red cube on a table", "a lighthouse in a storm at night"]
 SEEDS = [0, 1]
@@ -58,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, nargs="+", default=[4, 10])
     args = parser.parse_args()
-    from tiny_families import FAMILY_BUILDERS
+    from rollout.tiny_families import FAMILY_BUILDERS
 
     print("| family | steps | rollout bf16 vs pipeline bf16 | rollout bf16 vs pipeline fp32 | pipeline bf16 vs pipeline fp32 | rollout fp32 vs pipeline fp32 |")
     print("|---|---|---|---|---|---|")

@@ -18,10 +18,12 @@ import timeit
 
 import torch
 
-from rollout.api import RequestLimits, RolloutRequest, plan_rollout, response_rows
 from rollout.codec import from_msgpack, to_msgpack
 from rollout.models.registry import load_pipeline
+from rollout.plan import RequestLimits, plan_rollout
+from rollout.rows import response_rows
 from rollout.sampler import sample
+from rollout.schema import RolloutRequest
 
 
 def real_size_rows() -> list[dict]:

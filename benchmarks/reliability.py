@@ -21,9 +21,9 @@ import json
 import multiprocessing
 import os
 import signal
+import statistics
 import subprocess
 import sys
-import statistics
 import threading
 import time
 from collections import Counter

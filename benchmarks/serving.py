@@ -17,8 +17,9 @@ from typing import Callable
 import requests
 import torch
 
-from rollout.api import RequestLimits, RolloutRequest, plan_rollout
 from rollout.codec import from_msgpack
+from rollout.plan import RequestLimits, plan_rollout
+from rollout.schema import RolloutRequest
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,9 @@ def _worker_gpus(config: RolloutAppConfig) -> float:
 
 
 def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Application:
-    """The ingress bound to `num_worker_replicas` workers; `args` is validated as `RolloutAppConfig`."""
-    config = args if isinstance(args, RolloutAppConfig) else RolloutAppConfig.model_validate(args or {})
+    """The ingress bound to `num_worker_replicas` workers; `args` is validated as `RolloutAppConfig`
+    (an `AppConfigError` naming the field if it breaks a rule)."""
+    config = RolloutAppConfig.parse(args)
     drain = {"graceful_shutdown_wait_loop_s": SHUTDOWN_CHECK_PERIOD_S}
     coordinator = WeightCoordinator.options(
         graceful_shutdown_timeout_s=COORDINATOR_SHUTDOWN_TIMEOUT_S, **drain

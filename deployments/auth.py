@@ -1,15 +1,14 @@
 """Optional bearer-token authentication of the ingress's HTTP routes.
 
 With a token (`auth_token` in the app config, else `ROLLOUT_AUTH_TOKEN` in the environment of the
-process that builds the application), every HTTP route except `/liveness` answers 401 unless the
-request carries `Authorization: Bearer <token>`. The deployment handle is not HTTP: Python callers
+process that builds the application, `deployments/config.py`), every HTTP route except `/liveness`
+answers 401 unless the request carries `Authorization: Bearer <token>`. The deployment handle is not HTTP: Python callers
 inside the cluster need no token (reaching the cluster at all is their credential).
 """
 
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import Callable
 
 from fastapi import FastAPI
@@ -17,24 +16,18 @@ from fastapi.responses import JSONResponse
 from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import SecretStr
 from ray import serve
-
-from deployments.errors import error_response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-AUTH_TOKEN_ENV = "ROLLOUT_AUTH_TOKEN"
+from deployments.http_errors import json_error
+
 # Probes (a load balancer's, Kubernetes') carry no secret, and liveness tells nothing but "up".
 # /health, the readiness report, says more about the server, so it needs the token.
 OPEN_PATHS = frozenset({"/liveness"})
 
 
-def token_from_environment() -> SecretStr | None:
-    token = os.environ.get(AUTH_TOKEN_ENV)
-    return SecretStr(token) if token else None
-
-
 def _unauthorized(message: str, challenge: str) -> JSONResponse:
-    return error_response(401, "authorization", message, message, {"WWW-Authenticate": challenge})
+    return json_error(401, "authorization", message, message, {"WWW-Authenticate": challenge})
 
 
 class BearerTokenMiddleware:

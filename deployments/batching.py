@@ -19,9 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from deployments.errors import DeadlineExceededError
-from rollout.api import SamplingWork
 from rollout.options import SamplingOptions
+from rollout.plan import DeadlineExceededError, SamplingWork
 
 
 @dataclass

@@ -1,16 +1,48 @@
-"""The application's configuration; `build_app` validates YAML and Python input the same way."""
+"""The application's configuration; `build_app` validates YAML and Python input the same way.
+
+Every rule that a configuration can break is checked when the application is built
+(`RolloutAppConfig.parse`), and a broken one fails `build_app` with an `AppConfigError` naming the
+field: not every request, nor every worker replica at start.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from deployments.auth import AUTH_TOKEN_ENV, token_from_environment
-from rollout.api import RequestLimits, RequestValidation
+from rollout.errors import (
+    FieldError,
+    InvalidRequestError,
+    ModelLoadError,
+    clip,
+    short_repr,
+)
 from rollout.models.base import MicroBatching
-from rollout.models.registry import EMBEDDED_MODEL
+from rollout.models.registry import EMBEDDED_MODEL, check_model_choice
+from rollout.plan import RequestLimits
+from rollout.schema import RequestValidation
+
+AUTH_TOKEN_ENV = "ROLLOUT_AUTH_TOKEN"
+
+
+def token_from_environment() -> SecretStr | None:
+    token = os.environ.get(AUTH_TOKEN_ENV)
+    return SecretStr(token) if token else None
+
+
+class AppConfigError(FieldError):
+    """The application's configuration breaks a rule: raised by `build_app`, naming the field."""
 
 
 class ModelConfig(BaseModel):
@@ -36,6 +68,23 @@ class ModelConfig(BaseModel):
     max_sequence_length: int | None = Field(
         None, ge=1, description="Text tokens every prompt is padded or truncated to; None: the family's default."
     )
+
+    @field_validator("micro_batch_sizes")
+    @classmethod
+    def _sizes_parse(cls, sizes: dict[str, int]) -> dict[str, int]:
+        try:
+            MicroBatching.parse(1, sizes)
+        except InvalidRequestError as error:
+            raise ValueError(error.reason) from None
+        return sizes
+
+    @model_validator(mode="after")
+    def _loadable(self) -> "ModelConfig":
+        try:
+            check_model_choice(self.name, self.path, self.max_sequence_length)
+        except ModelLoadError as error:
+            raise ValueError(f"{error.field.removeprefix('model.')}: {error.reason}") from None
+        return self
 
     def label(self) -> str:
         """The model's name for discovery endpoints: its name, else its directory's."""
@@ -146,6 +195,24 @@ class RolloutAppConfig(BaseModel):
         description="strict: refuse unknown request fields and mistyped values (422, naming the field). "
         "sglang: SGLang's lenient pydantic, which drops unknown fields and coerces values where it can.",
     )
+
+    @classmethod
+    def parse(cls, args: "dict | RolloutAppConfig | None") -> "RolloutAppConfig":
+        """`args` validated; raises `AppConfigError` naming the first field that breaks a rule."""
+        if isinstance(args, cls):
+            return args
+        try:
+            return cls.model_validate(args or {})
+        except ValidationError as error:
+            problem = error.errors(include_url=False)[0]
+            location = [str(part) for part in problem["loc"]]
+            message = problem["msg"].removeprefix("Value error, ")
+            # A cross-field rule's message starts with the field it is about: "default_inference_steps: ...".
+            head, _, rest = message.partition(": ")
+            if rest and head.isidentifier() and head not in location:
+                location, message = [*location, head], rest
+            value = "" if problem["type"] in ("missing", "value_error") else f", got {short_repr(problem.get('input'))}"
+            raise AppConfigError(clip(".".join(location) or "config"), f"{message}{value}") from None
 
     def queued_samples_limit(self) -> int:
         return self.max_queued_samples or 4 * self.num_worker_replicas * self.max_batch_size

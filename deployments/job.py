@@ -19,8 +19,8 @@ import ray
 from tqdm import tqdm
 
 from deployments.client import ApplicationNotFoundError, running_app
-from rollout.api import RolloutRequest
 from rollout.dataset import RolloutDatasetWriter
+from rollout.schema import RolloutRequest
 
 
 def read_prompts(path: Path) -> list[str]:

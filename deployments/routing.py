@@ -25,10 +25,17 @@ import random
 import time
 from dataclasses import dataclass
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from deployments import load
-from rollout.api import SamplingWork
+from deployments.ray_private import pending_request_by_id
+from rollout.plan import SamplingWork
 
 # A reservation whose request was neither accepted nor cancelled by then (a replica refused it
 # and Serve re-queued it under a new pending request) stops counting.
@@ -58,8 +65,8 @@ class FewestSamplesRouter(FIFOMixin, RequestRouter):
         load.register(self)  # the ingress's measure of queued work (`_admit`)
 
     def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
-        # FIFOMixin's hook for the request a found replica goes to; Serve's own lookup by id.
-        return self._get_pending_request_matching_internal_request_id(request_metadata)
+        # FIFOMixin's hook for the request a found replica goes to (ray_private.FIFO_PENDING_REQUEST_HOOK).
+        return pending_request_by_id(self, request_metadata)
 
     def _load(self) -> dict[ReplicaID, int]:
         now = time.monotonic()

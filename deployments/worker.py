@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,12 +15,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.batching import SamplingQueue
+from deployments.broadcast import Follower
 from deployments.config import RolloutAppConfig
-from deployments.weights import WeightFollower
-from rollout.api import SamplingWork, check_finite
+from deployments.memory import MemoryOccupation
+from deployments.weights import ServedWeights
 from rollout.errors import InvalidRequestError, NonFiniteOutputError, RolloutError
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
+from rollout.plan import SamplingWork
 from rollout.sampler import micro_batch_size, resolve_options, sample
 from rollout.trajectory import RolloutBatch
 
@@ -77,18 +80,31 @@ class RolloutWorker:
         self._failed_calls_in_a_row = 0
         self._queue = SamplingQueue(
             self._sample_on_thread,
-            lambda options: micro_batch_size(self.pipeline, resolve_options(self.pipeline, options)),
+            lambda options: micro_batch_size(self.pipeline, options),
             config.max_batch_size,
             config.batch_wait_timeout_s,
         )
-        self.weights = WeightFollower(
-            coordinator, self.replica, self.pipeline, config.weight_version, self._on_sampling_thread
+        self.weights = ServedWeights(self.pipeline, config.weight_version)
+        self.memory = MemoryOccupation(self.pipeline)
+        self.follower = Follower(
+            coordinator,
+            self.replica,
+            self._register,
+            {**self.weights.handlers(), **self.memory.handlers()},
+            lambda: self.weights.version,
+            self._on_sampling_thread,
         )
-        await self.weights.start()
+        self._coordinator = coordinator
+        await self.follower.start()
+
+    async def _register(self):
+        actor = ray.get_runtime_context().current_actor
+        modules = list(self.pipeline.weight_modules)
+        return await self._coordinator.register.remote(self.replica, actor, modules, self.weights.version)
 
     async def __del__(self):
         self._queue.stop()
-        await self.weights.stop()
+        await self.follower.stop()
 
     async def _on_sampling_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._sampling_thread, fn, *args)
@@ -121,9 +137,10 @@ class RolloutWorker:
             limit = self.config.max_batch_size
             raise InvalidRequestError("num_outputs_per_prompt", f"a worker takes at most {limit} samples at once")
         self.pipeline.check_prompts(work.prompts, work.negative_prompts)
+        # The model's defaults, filled in once: the queue groups and the sampler samples by them.
         options = resolve_options(self.pipeline, work.options)
         self.pipeline.latent_shape(options.height, options.width)
-        return await self._queue.submit(work)
+        return await self._queue.submit(dataclasses.replace(work, options=options))
 
     async def _sample_on_thread(self, works: list[SamplingWork]) -> list[WorkerResult | Exception]:
         return await self._on_sampling_thread(self._sample_group, works)
@@ -137,7 +154,8 @@ class RolloutWorker:
         servable = []
         for i, work in enumerate(works):
             try:
-                self.weights.check_can_sample(work.weight_version)
+                self.memory.check_awake()
+                self.weights.check_version(work.weight_version)
                 servable.append(i)
             except RolloutError as error:
                 results[i] = error
@@ -165,7 +183,7 @@ class RolloutWorker:
             part = batch.subset(range(offset, offset + len(work)))
             offset += len(work)
             try:  # each request on its own: NaN in one request's samples does not fail the others
-                check_finite(part)
+                part.check_finite()
             except NonFiniteOutputError as error:
                 logger.warning("request refused its samples: %s", error)
                 results[i] = error

@@ -116,6 +116,10 @@ def sample(
         raise InvalidRequestError("seed", f"needs one seed per sample: {len(seeds)} seeds for {len(prompts)} prompts")
     seeds = [check_seed(seed) for seed in seeds]
     negative_prompts = [""] * len(prompts) if negative_prompts is None else list(negative_prompts)
+    if len(negative_prompts) != len(prompts):
+        raise InvalidRequestError(
+            "negative_prompt", f"needs one per sample: {len(negative_prompts)} for {len(prompts)} prompts"
+        )
     options = resolve_options(pipeline, options)
     latent_shape = pipeline.latent_shape(options.height, options.width)
     device = pipeline.device

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from rollout.errors import NonFiniteOutputError
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
 
@@ -113,6 +114,22 @@ class RolloutBatch:
     def __reduce__(self):
         plain = [_plain_fields(s) for s in self.samples]
         return _unpacked_batch, (self.schedule, self.options, self.model, plain, _stacked(self.samples))
+
+    def check_finite(self) -> None:
+        """Raises `NonFiniteOutputError` naming the tensors of the samples that hold NaN or inf:
+        NaN log-probs returned as a success would poison a training step, and nothing downstream
+        would say why."""
+        bad: dict[str, int] = {}
+        for sample in self.samples:
+            for name, tensor in sample.tensors().items():
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    bad[name] = bad.get(name, 0) + 1
+        if bad:
+            where = ", ".join(f"{name} ({count} of {len(self.samples)} samples)" for name, count in bad.items())
+            raise NonFiniteOutputError(
+                f"sampling produced NaN or infinite values in {where}; "
+                "lower guidance_scale, true_cfg_scale or rollout_noise_level, or check the served weights"
+            )
 
     def subset(self, indices: Sequence[int]) -> "RolloutBatch":
         """The samples at `indices`, sharing this batch's schedule."""

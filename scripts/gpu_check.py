@@ -3,7 +3,7 @@
 No real weights exist on the device machine (and nothing can be downloaded there), so each model
 is built at its published size from configurations written below, with random weights in bf16.
 Tokenizers and the scheduler come from the tiny offline copies the tests build
-(`tests/tiny_families.py`): a tokenizer's vocabulary does not change the compute.
+(`rollout/tiny_families.py`): a tokenizer's vocabulary does not change the compute.
 
 For each family, one group of 8 samples of one prompt at 512x512, 10 steps, guidance as Flow-GRPO
 trains (SD3.5-Medium: CFG 4.5; FLUX.1-dev: its embedded guidance 3.5):
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))
 
 from rollout.models.base import MicroBatching  # noqa: E402
 from rollout.models.flux import FluxFamily  # noqa: E402
@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the findings here as JSON")
     args = parser.parse_args()
 
-    from tiny_families import FAMILY_BUILDERS
+    from rollout.tiny_families import FAMILY_BUILDERS
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     size, steps = (64, 3) if args.tiny else (512, 10)

@@ -22,8 +22,7 @@ from ray import serve  # noqa: E402
 from ray.serve.scripts import convert_args_to_dict  # noqa: E402  (serve run's own key=value parsing)
 
 from deployments.app import build_app  # noqa: E402
-from deployments.config import RolloutAppConfig  # noqa: E402
-
+from deployments.config import AppConfigError, RolloutAppConfig  # noqa: E402
 
 PROBE_PORT = 8001
 
@@ -33,7 +32,10 @@ def _stop_as_on_ctrl_c(signum, frame) -> None:
 
 
 def main() -> None:
-    config = RolloutAppConfig.model_validate({"probe_port": PROBE_PORT, **convert_args_to_dict(tuple(sys.argv[1:]))})
+    try:
+        config = RolloutAppConfig.parse({"probe_port": PROBE_PORT, **convert_args_to_dict(tuple(sys.argv[1:]))})
+    except AppConfigError as error:
+        raise SystemExit(f"app config: {error}") from None
     ray.init(address="local")
     # `docker stop` and Kubernetes stop the main process with SIGTERM, on which Ray's driver
     # handler would just exit: answer the requests in flight then too.

@@ -6,7 +6,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
 
-from rollout.models.digits import DigitFlowPipeline, DigitPromptEncoder, tiny_transformer  # noqa: E402
+from rollout.models.digits import (  # noqa: E402
+    DigitFlowPipeline,
+    DigitPromptEncoder,
+    tiny_transformer,
+)
 
 SCHEDULER_CONFIG = {"shift": 3.0}
 
@@ -31,8 +35,10 @@ def embedded_pipeline() -> DigitFlowPipeline:
 @pytest.fixture(scope="session")
 def tiny_family_dirs(tmp_path_factory) -> dict:
     """Family name -> a tiny random-weight copy of SD3, FLUX.1-dev or Qwen-Image, saved as a
-    diffusers directory (`tests/tiny_families.py`)."""
-    from tiny_families import FAMILY_BUILDERS  # imports transformers: only for the tests that need it
+    diffusers directory (`rollout/tiny_families.py`)."""
+    from rollout.tiny_families import (
+        FAMILY_BUILDERS,  # imports transformers: only for the tests that need it
+    )
 
     root = tmp_path_factory.mktemp("families")
     return {name: build(root / name) for name, build in FAMILY_BUILDERS.items()}

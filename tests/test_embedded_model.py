@@ -7,7 +7,12 @@ import pytest
 from rollout.errors import UnknownPromptError
 from rollout.models.base import RolloutPipeline
 from rollout.models.digit_classifier import DigitClassifier
-from rollout.models.digits import DEFAULT_WEIGHTS, UNCONDITIONAL_CLASS, DigitFlowPipeline, parse_digit_prompt
+from rollout.models.digits import (
+    DEFAULT_WEIGHTS,
+    UNCONDITIONAL_CLASS,
+    DigitFlowPipeline,
+    parse_digit_prompt,
+)
 from rollout.options import SamplingOptions
 from training.evaluate_digit_quality import prompted_accuracy
 

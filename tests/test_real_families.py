@@ -1,5 +1,5 @@
 """SD3, FLUX.1 and Qwen-Image through the rollout library, on tiny random-weight copies saved as
-diffusers directories (`tiny_families.py`) and loaded by the real loading code.
+diffusers directories (`rollout/tiny_families.py`) and loaded by the real loading code.
 
 The reference is diffusers' own `pipeline(...)`: the rollout's deterministic (ODE) path must
 reproduce it, and the schedule must be the scheduler's own after the pipeline set it.
@@ -21,7 +21,13 @@ from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.sampler import sample
 from rollout.transitions import TransitionKind
-from rollout.weights import apply_update, disk_update, served_adapter, tensor_update, weights_checksum
+from rollout.weights import (
+    apply_update,
+    disk_update,
+    served_adapter,
+    tensor_update,
+    weights_checksum,
+)
 
 FAMILIES = ["sd3", "flux", "qwenimage"]
 SIZE = 64

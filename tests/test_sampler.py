@@ -98,9 +98,16 @@ def test_debug_tensors_reconstruct_each_step(random_pipeline):
     for i in range(5):
         x_next = s.debug.prev_sample_means[i] + s.debug.noise_std_devs[i] * s.debug.variance_noises[i]
         assert torch.equal(x_next, s.latents[i + 1])
-    # The mean of an SDE step follows from x_i and the recorded velocity.
-    dt = sigmas[2] - sigmas[1]
-    assert s.debug.noise_std_devs[1] > 0 and dt < 0
+    # The mean and std of an SDE step follow from x_i, the recorded velocity and the schedule
+    # (Flow-GRPO's SDE, written out again here in float64).
+    eta = batch.options.noise_level
+    for i in range(1, 5):  # sigma < 1 from the second step on
+        sigma, dt = sigmas[i].double(), (sigmas[i + 1] - sigmas[i]).double()
+        x, v = s.latents[i].double(), s.debug.model_outputs[i].double()
+        std = eta * torch.sqrt(sigma / (1 - sigma))
+        mean = x * (1 + std**2 * dt / (2 * sigma)) + v * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
+        torch.testing.assert_close(s.debug.prev_sample_means[i].double(), mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(s.debug.noise_std_devs[i].double(), std * torch.sqrt(-dt), rtol=1e-5, atol=0)
 
 
 def test_return_step_indices_keep_the_right_latents(random_pipeline):

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from rollout.dataset import RolloutDatasetWriter, load_rollouts
+from rollout.errors import InvalidRequestError
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
+from rollout.rows import schedule_of_row
 from rollout.sampler import sample
 
 FAMILIES = ["embedded-digits", "sd3", "flux", "qwenimage"]
@@ -61,3 +63,14 @@ def test_the_schedule_survives_the_path_and_replays_exactly(pipelines, family, p
     assert arrived.model == family and arrived.options == original.options
     replayed = replay_log_probs(pipeline, arrived.schedule, arrived.options, arrived.samples)
     assert torch.equal(replayed.log_probs - torch.stack([s.log_probs for s in original.samples]), torch.zeros(2, 4))
+
+
+def test_a_row_without_its_whole_schedule_is_refused_rather_than_guessed(pipelines):
+    schedule = rollout(pipelines["flux"]).schedule
+    row = {"dit_trajectory": {"sigmas": schedule.sigmas, "scheduler_timesteps": schedule.timesteps}}
+    with pytest.raises(InvalidRequestError, match=r"lacks \['model_timesteps'\]"):
+        schedule_of_row(row)
+    row["dit_trajectory"]["model_timesteps"] = schedule.model_timesteps
+    assert schedule_of_row(row).equals(schedule)
+    with pytest.raises(InvalidRequestError, match="rollout_return_dit_trajectory"):
+        schedule_of_row({"dit_trajectory": None})

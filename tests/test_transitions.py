@@ -8,7 +8,12 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
-from rollout.transitions import LogProbForm, TransitionKind, gaussian_log_prob, take_step
+from rollout.transitions import (
+    LogProbForm,
+    TransitionKind,
+    gaussian_log_prob,
+    take_step,
+)
 
 SCHEDULE = ScheduleSnapshot.from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0), 10, model_timesteps=timesteps_as_they_are)
 SHAPE = (3, 1, 4, 4)

@@ -183,8 +183,6 @@ class DiffusersFamily:
     # Conditioning ------------------------------------------------------------------------------
 
     def check_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> None:
-        if len(prompts) != len(negative_prompts):
-            raise InvalidRequestError("negative_prompt", "needs one entry per prompt")
         for field, texts in (("prompt", prompts), ("negative_prompt", negative_prompts)):
             for text in texts:
                 if not isinstance(text, str):

@@ -20,7 +20,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rollout.errors import InvalidRequestError, UnknownPromptError, short_repr
-from rollout.models.base import Conditioning, MicroBatching, batched_cfg_velocity, cfg_scale
+from rollout.models.base import (
+    Conditioning,
+    MicroBatching,
+    batched_cfg_velocity,
+    cfg_scale,
+)
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
@@ -194,8 +199,6 @@ class DigitFlowPipeline:
         return ScheduleSnapshot.from_scheduler(self.scheduler, num_steps, model_timesteps=timesteps_as_they_are)
 
     def _class_ids(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> tuple[list[int], list[int]]:
-        if len(prompts) != len(negative_prompts):
-            raise InvalidRequestError("negative_prompt", "needs one entry per prompt")
         return (
             [parse_digit_prompt(p, "prompt") for p in prompts],
             [parse_digit_prompt(p, "negative_prompt") for p in negative_prompts],

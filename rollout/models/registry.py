@@ -41,18 +41,27 @@ def available_models() -> list[str]:
     return sorted([EMBEDDED_MODEL, *_families()])
 
 
+def check_model_choice(name: str | None, path: str | Path | None, max_sequence_length: int | None = None) -> None:
+    """The rules a model's name, directory and text length meet, checked without reading the
+    directory (an app config is checked so when it is built); raises `ModelLoadError` naming the field."""
+    embedded = name == EMBEDDED_MODEL or (name is None and path is None)
+    if embedded and max_sequence_length is not None:
+        raise ModelLoadError("model.max_sequence_length", "the embedded model has no text encoder")
+    if not embedded and path is None:
+        raise ModelLoadError("model.path", f"model {name!r} loads from a local diffusers directory: set model.path")
+
+
 def resolve_model(name: str | None, path: str | Path | None = None) -> tuple[str, Path]:
     """The model name and the directory that `load_pipeline(name, path)` loads.
 
     With no name, a directory's family is read from its `model_index.json`; with neither, the
     embedded model and its packaged weights.
     """
+    check_model_choice(name, path)
     if name is None and path is None:
         return EMBEDDED_MODEL, DEFAULT_WEIGHTS
     if name == EMBEDDED_MODEL:
         return name, DEFAULT_WEIGHTS if path is None else Path(path)
-    if path is None:
-        raise ModelLoadError("model.path", f"model {name!r} loads from a local diffusers directory: set model.path")
     families = _families()
     if name is None:
         from rollout.models.diffusers_family import read_model_index
@@ -83,11 +92,10 @@ def load_pipeline(
         micro_batching: samples per transformer call; None keeps the model's own default.
         max_sequence_length: the text length prompts are padded to; None keeps the family's.
     """
+    check_model_choice(name, path, max_sequence_length)
     name, model_path = resolve_model(name, path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if name == EMBEDDED_MODEL:
-        if max_sequence_length is not None:
-            raise ModelLoadError("model.max_sequence_length", "the embedded model has no text encoder")
         pipeline = DigitFlowPipeline.from_pretrained(model_path, torch_dtype=dtype, device=device)
         if micro_batching is not None:
             pipeline.micro_batching = micro_batching

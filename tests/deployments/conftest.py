@@ -2,7 +2,6 @@
 several seconds here)."""
 
 import os
-import socket
 
 # Ray's switch for a cluster of one machine (named for the platforms where it is the default): the
 # node's IP is 127.0.0.1, so Ray's servers listen on loopback. Ray reads it when it is imported, and
@@ -15,31 +14,7 @@ import requests  # noqa: E402
 from ray import serve  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
-
-APP_NAME = "rollout-test"
-TEST_CONFIG = {
-    "app_name": APP_NAME,
-    "weight_version": "test-v1",
-    "auth_token": None,  # whatever ROLLOUT_AUTH_TOKEN the shell has
-    "num_worker_replicas": 2,
-    "worker_num_cpus": 0.5,
-    "worker_torch_threads": 1,
-    "max_batch_size": 16,
-    # Long enough that concurrent requests reliably meet in one batch on a loaded machine.
-    "batch_wait_timeout_s": 0.2,
-    "limits": {
-        "max_prompts_per_request": 8,
-        "max_outputs_per_prompt": 8,
-        "max_samples_per_request": 32,
-        "max_inference_steps": 50,
-    },
-}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.deployments.apps import APP_NAME, TEST_CONFIG, free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,26 +1,14 @@
-"""Deploying test applications of their own, and reaching inside their replicas (to find a
-replica's process, to break its pipeline): what the fault tests share."""
+"""Reaching inside an application's replicas (to find a replica's process, to hold or break its
+pipeline): what the fault tests share."""
 
 import os
 import threading
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import ray
 from ray import serve
 
-from deployments.app import build_app
-from tests.deployments.conftest import TEST_CONFIG, free_port
-
 STEPS = 6
-
-
-def deploy(serve_app, name: str, **config) -> SimpleNamespace:
-    """An application of its own beside the session's, with its probe port (`deployments/probes.py`)."""
-    probe_port = free_port()
-    config = {**TEST_CONFIG, **config, "app_name": name, "probe_port": probe_port}
-    handle = serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-    return SimpleNamespace(handle=handle, name=name, url=f"{serve_app[1]}/{name}", probe_url=f"http://127.0.0.1:{probe_port}")
 
 
 def on_replicas(app_name: str, deployment: str, fn) -> list:

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from deployments.batching import SamplingQueue
-from rollout.api import SamplingWork
 from rollout.options import SamplingOptions
+from rollout.plan import SamplingWork
 
 FOUR_STEPS, SIX_STEPS = SamplingOptions(num_inference_steps=4), SamplingOptions(num_inference_steps=6)
 
@@ -112,16 +112,14 @@ def test_a_cancelled_request_is_not_sampled():
 def test_an_idle_sampler_waits_to_fill_its_micro_batch_not_longer():
     async def scenario():
         sampler = Sampler()
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=0.5)
-        started = asyncio.get_running_loop().time()
-        tasks = []
-        for _ in range(4):  # one micro-batch's worth, arriving 20 ms apart
-            tasks.append(asyncio.create_task(queue.submit(work())))
-            await asyncio.sleep(0.02)
-        await asyncio.gather(*tasks)
-        full = asyncio.get_running_loop().time() - started
-        await queue.submit(work(4))  # a full micro-batch starts at once
-        return sampler.sizes(), full
+        # A wait far longer than `run`'s 30 s: the test ends only if a full micro-batch starts at once.
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=600)
+        tasks = [asyncio.create_task(queue.submit(work())) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert sampler.calls == []  # 3 of a micro-batch of 4: still waiting
+        tasks.append(asyncio.create_task(queue.submit(work())))
+        await asyncio.gather(*tasks)  # the 4th filled it
+        await queue.submit(work(4))  # and a full micro-batch does not wait at all
+        return sampler.sizes()
 
-    sizes, seconds = run(scenario())
-    assert sizes == [4, 4] and seconds < 0.4  # started when the 4th arrived, not after wait_s
+    assert run(scenario()) == [4, 4]

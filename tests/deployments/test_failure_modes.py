@@ -15,7 +15,8 @@ from ray import serve
 
 from benchmarks.reliability import ctrl_c, stop_with_requests_in_flight, terminate
 from rollout.errors import NonFiniteOutputError
-from tests.deployments.replicas import deploy, on_replicas, pids, request_body
+from tests.deployments.apps import deploy
+from tests.deployments.replicas import on_replicas, pids, request_body
 
 pytestmark = pytest.mark.faults
 
@@ -131,15 +132,13 @@ def test_a_stopping_server_answers_every_request_in_flight(serve_app):
     time.sleep(1.0)  # sampling
     app.handle.stop_serving.remote().result()
     refused = requests.post(f"{app.url}/rollout/generate", json=request_body(5))
-    start = time.monotonic()
-    serve.delete(app.name)
-    deleted_s = time.monotonic() - start
+    serve.delete(app.name)  # how soon: benchmarks.reliability
     client.join(timeout=30)
 
     for response in (refused, *answers):
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
         assert "send it again" in response.json()["error"]["message"]
-    assert len(answers) == 1 and deleted_s < 10
+    assert len(answers) == 1
 
 
 @pytest.mark.parametrize("stop", [ctrl_c, terminate], ids=["ctrl-c", "sigterm"])
@@ -156,4 +155,4 @@ def test_make_serve_answers_every_request_in_flight_when_stopped(stop):
     assert len(statuses) == 3 and set(statuses) <= {200, 503} and 503 in statuses, statuses
     refused = [a for a in answers if a.status_code == 503]
     assert all(a.headers["retry-after"] == "1" and "send it again" in a.json()["error"]["message"] for a in refused)
-    assert exit_s is not None and exit_s < 10
+    assert exit_s is not None  # it exited (how soon: benchmarks.reliability)

@@ -7,17 +7,17 @@ import os
 import signal
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import ray
 import requests
 from ray import serve
 
-from deployments.errors import DeadlineExceededError, OverloadedError, WorkerLostError
-from deployments.ingress import RolloutResult
+from deployments.dispatch import OverloadedError, RolloutResult, WorkerLostError
 from rollout.codec import from_msgpack
-from tests.deployments.replicas import deploy, pids, request_body
+from rollout.plan import DeadlineExceededError
+from tests.deployments.apps import deploy
+from tests.deployments.replicas import pids, request_body
 
 pytestmark = pytest.mark.faults
 
@@ -160,14 +160,12 @@ def test_a_part_lost_on_every_try_is_a_retryable_error(ray_cluster):
     ray.kill(doomed)
     resent = []
 
-    class DeadWorker:  # stands in for the worker deployment handle: every call is lost
-        class generate:
-            @staticmethod
-            def remote(work):
-                resent.append(work)
-                return SimpleNamespace(_to_object_ref_sync=lambda _timeout_s: doomed.ping.remote())
+    class DeadWorkers:  # stands in for the worker deployment: every part sent is lost
+        async def send(self, work):
+            resent.append(work)
+            return doomed.ping.remote()
 
-    result = RolloutResult("r", 0, 1, [doomed.ping.remote()], ["work"], DeadWorker(), max_attempts=3)
+    result = RolloutResult("r", 0, 1, ("work",), (doomed.ping.remote(),), DeadWorkers(), max_attempts=3)
     with pytest.raises(WorkerLostError, match="lost 3 times") as caught:
         result.worker_results()
     assert resent == ["work", "work"] and caught.value.retry_after_s == 1

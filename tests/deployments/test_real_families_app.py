@@ -19,9 +19,14 @@ from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
+from rollout.rows import schedule_of_row
 from rollout.sampler import sample
-from rollout.schedule import ScheduleSnapshot
-from tests.reference_bits import REFERENCE, batch_records, family_requests, field_digests
+from tests.reference_bits import (
+    REFERENCE,
+    batch_records,
+    family_requests,
+    field_digests,
+)
 
 FAMILIES = ["sd3", "flux", "qwenimage"]
 GUIDANCE = {"sd3": {"guidance_scale": 4.5}, "flux": {"true_cfg_scale": 2.5}, "qwenimage": {"true_cfg_scale": 4.0}}
@@ -173,8 +178,7 @@ def test_the_schedule_survives_every_served_path(family, family_apps, serve_app,
         assert response.status_code == 200, response.text
         rows = decode(response.content)
         for row in rows:
-            trajectory = row["dit_trajectory"]
-            from_row = ScheduleSnapshot(trajectory["sigmas"], trajectory["scheduler_timesteps"], trajectory["model_timesteps"])
+            from_row = schedule_of_row(row)
             assert from_row.equals(own), accept
         samples = [dataclasses.replace(s, schedule=from_row, latents=row["dit_trajectory"]["latents"]) for s, row in zip(batch.samples, rows)]
         replayed = replay_log_probs(local, from_row, batch.options, samples)

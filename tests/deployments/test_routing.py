@@ -4,13 +4,16 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    RequestMetadata,
+)
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from deployments.routing import FewestSamplesRouter
-from rollout.api import SamplingWork
 from rollout.options import SamplingOptions
+from rollout.plan import SamplingWork
 
 WORKER = DeploymentID(name="RolloutWorker", app_name="rollout")
 

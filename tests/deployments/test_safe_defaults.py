@@ -11,10 +11,10 @@ from ray import serve
 from starlette.responses import PlainTextResponse
 
 from deployments.app import build_app
-from deployments.auth import AUTH_TOKEN_ENV, BearerTokenMiddleware
-from deployments.config import RolloutAppConfig
+from deployments.auth import BearerTokenMiddleware
+from deployments.config import AUTH_TOKEN_ENV, RolloutAppConfig
 from deployments.ingress import app as ingress_app
-from tests.deployments.conftest import free_port
+from tests.deployments.apps import free_port
 
 UNIT_TOKEN = "s3cret-tök"
 

@@ -10,7 +10,13 @@ import pytest
 import ray
 import torch
 
-from deployments.weights import Report, TensorSource, WeightCoordinator
+from deployments.broadcast import Command, Report
+from deployments.weights import (
+    ApplyWeights,
+    TensorSource,
+    UndoWeights,
+    WeightCoordinator,
+)
 
 
 class Liveness:
@@ -33,7 +39,7 @@ class Liveness:
 
 
 class ScriptedReplica:
-    """Follows the coordinator like `WeightFollower`, answering applies as scripted."""
+    """Follows the coordinator like a worker's `Follower`, answering applies as scripted."""
 
     def __init__(self, coordinator, name, refuse_applies=False):
         self.coordinator, self.name, self.refuse_applies = coordinator, name, refuse_applies
@@ -43,15 +49,16 @@ class ScriptedReplica:
         self.stopped = False
 
     async def start(self):
-        committed, last_seq = await self.coordinator.register(self.name, self.liveness, ["transformer"], self.version)
-        for command in committed:
-            self.version = command.version
+        catch_up, last_seq = await self.coordinator.register(self.name, self.liveness, ["transformer"], self.version)
+        for posted in catch_up:
+            if isinstance(posted.command, ApplyWeights):
+                self.version = posted.command.version
         self.task = asyncio.create_task(self.follow(last_seq))
 
     async def stop(self):
         # Not by cancelling: asyncio.wait_for in Python 3.11 can swallow a cancellation.
         self.stopped = True
-        self.coordinator._notify("_posted")
+        self.coordinator.commands._notify("_posted")
         await self.task
 
     async def follow(self, last_seq):
@@ -60,17 +67,18 @@ class ScriptedReplica:
             if commands is None:
                 _, last_seq = await self.coordinator.register(self.name, self.liveness, ["transformer"], self.version)
                 continue
-            for command in commands:
-                self.ran.append((command.kind, command.undoes))
-                if command.kind == "apply" and not self.refuse_applies:
+            for posted in commands:
+                command = posted.command
+                self.ran.append((type(command), getattr(command, "undoes", None)))
+                if isinstance(command, ApplyWeights) and not self.refuse_applies:
                     self.version = command.version
                     report = Report(True, version=self.version)
-                elif command.kind == "apply":
+                elif isinstance(command, ApplyWeights):
                     report = Report(False, "device lost", self.version)
                 else:
                     report = Report(True, version=self.version)
-                await self.coordinator.report(self.name, command.seq, report)
-                last_seq = command.seq
+                await self.coordinator.report(self.name, posted.seq, report)
+                last_seq = posted.seq
 
 
 def coordinator():
@@ -100,7 +108,7 @@ def test_an_update_one_replica_refuses_is_undone_on_the_others(ray_cluster):
     assert not result.success and result.weight_version == "v0"
     assert result.failed_replicas == {"bad": "device lost"} and "bad: device lost" in result.message
     apply_seq = 1
-    assert good.ran == [("apply", None), ("undo", apply_seq)]
+    assert good.ran == [(ApplyWeights, None), (UndoWeights, apply_seq)]
     assert c.version == "v0" and c.committed == []
 
 
@@ -118,7 +126,7 @@ def test_a_dead_replica_is_not_waited_for_and_a_new_one_catches_up(ray_cluster):
 
     c, alive, newcomer, result = asyncio.run(scenario())
     assert result.success and result.message == "weights 'v1' served by 1 replica(s)"
-    assert set(c.replicas) == {"alive", "newcomer"}
+    assert set(c.commands.replicas) == {"alive", "newcomer"}
     assert alive.version == newcomer.version == "v1"
 
 
@@ -142,7 +150,7 @@ def test_committed_updates_are_kept_only_until_superseded(ray_cluster, later_lor
         return c
 
     c = asyncio.run(scenario())
-    kept = [entry.command.version for entry in c.committed]
+    kept = [entry.posted.command.version for entry in c.committed]
     # A LoRA push replaces the previous adapter; full weights replace full weights, not the adapter.
     assert kept == (["full", "lora-2"] if later_lora else ["lora-1", "full-2"])
 
@@ -154,9 +162,9 @@ def test_replicas_register_again_with_a_restarted_coordinator(ray_cluster):
         await first.update(tensors(), "v3")
         restarted = coordinator()  # a new process: no replicas, no history, the initial version
         replica.coordinator = restarted
-        first._notify("_posted")  # the poll in flight ends; the next one goes to the new coordinator
+        first.commands._notify("_posted")  # the poll in flight ends; the next one goes to the new coordinator
         for _ in range(50):
-            if "r" in restarted.replicas:
+            if "r" in restarted.commands.replicas:
                 break
             await asyncio.sleep(0.05)
         state = await restarted.state()
@@ -167,3 +175,18 @@ def test_replicas_register_again_with_a_restarted_coordinator(ray_cluster):
     state, result, replica = asyncio.run(scenario())
     assert state == {"weight_version": "v3", "replicas": {"r": "v3"}}  # it took the version served
     assert result.success and replica.version == "v4"
+
+
+def test_one_off_commands_reach_every_replica_but_weights_change_only_through_update(ray_cluster):
+    async def scenario():
+        c = coordinator()
+        first, second = await started(c, ScriptedReplica(c, "first"), ScriptedReplica(c, "second"))
+        reports = await c.broadcast_command(Command())  # a command of no concern's, which changes no weights
+        with pytest.raises(TypeError, match="through update"):
+            await c.broadcast_command(UndoWeights(1))
+        await first.stop(), await second.stop()
+        return reports, first
+
+    reports, first = asyncio.run(scenario())
+    assert set(reports) == {"first", "second"} and all(report.ok for report in reports.values())
+    assert [kind for kind, _ in first.ran] == [Command]

@@ -22,7 +22,12 @@ from rollout.codec import TensorEncoder, from_msgpack
 from rollout.models.digits import DEFAULT_WEIGHTS
 from rollout.models.registry import load_pipeline
 from rollout.replay import replay_log_probs, transition_log_probs
-from rollout.weights import WeightUpdateError, apply_update, tensor_update, weights_checksum
+from rollout.weights import (
+    WeightUpdateError,
+    apply_update,
+    tensor_update,
+    weights_checksum,
+)
 
 APP_NAME = "rollout-weights"
 
@@ -237,14 +242,15 @@ def test_sglangs_weight_endpoints(app, base, http):
     answer = {"success": True, "message": "weights 'http-6' served by 2 replica(s)", "weight_version": "http-6"}
     assert response.json() == answer
 
-    refused = [
-        ("/update_weights_from_tensor", {"serialized_named_tensors": ["gASV..."]}, "never unpickles"),
-        ("/update_weights_from_disk", {"flush_cache": True}, "model_path"),
-        ("/update_weights_from_disk", {"model_path": str(app.root / "none")}, "does not exist"),
+    refused = [  # a body the server will not take: 400; one that does not fit the schema: 422
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["gASV..."]}, 400, "never unpickles"),
+        ("/update_weights_from_disk", {"flush_cache": True}, 422, "model_path: Field required"),
+        ("/update_weights_from_disk", {"model_path": "/x", "flush": True}, 422, "flush: unknown field; did you mean 'flush_cache'?"),
+        ("/update_weights_from_disk", {"model_path": str(app.root / "none")}, 400, "does not exist"),
     ]
-    for path, body, cause in refused:
+    for path, body, status, cause in refused:
         response = http.post(f"{app.url}{path}", json=body)
-        assert response.status_code == 400 and response.json()["success"] is False, response.text
+        assert response.status_code == status and response.json()["success"] is False, response.text
         assert cause in response.json()["message"]
     assert http.get(f"{app.url}/rollout/info").json()["weight_version"] == "http-6"
 

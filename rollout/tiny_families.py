@@ -1,4 +1,5 @@
-"""Tiny, random-weight, fully offline copies of real diffusers pipeline families, for tests.
+"""Tiny, random-weight, fully offline copies of real diffusers pipeline families: what the tests,
+`scripts/gpu_check.py` and `benchmarks/bf16_paths.py` build the real families from.
 
 Each builder assembles a pipeline from the real model classes with tiny widths and depths but the
 real shapes and configs a sampler depends on (16 latent channels, VAE scale factor 8, SD3 patch 2,

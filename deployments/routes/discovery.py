@@ -1,25 +1,61 @@
-"""Bodies of SGLang's discovery endpoints (`/model_info`, `/server_info`, `/v1/models`).
+"""Discovery: `/rollout/info` (and the handle's `info`), and SGLang's `/model_info`,
+`/server_info` and `/v1/models`.
 
-The fields are those SGLang's diffusion HTTP server returns (its `http_server.py` and
+SGLang's fields are those its diffusion HTTP server returns (its `http_server.py` and
 `openai/common_api.py`), which its model gateway and trainers read, filled from a worker's
 `info()` and the application's config.
-"""
 
-from __future__ import annotations
+Needs from the ingress: `config`, `worker` (the worker deployment's handle), `coordinator`, and
+`started` (when the ingress started, in seconds since the epoch).
+"""
 
 import importlib.metadata
 
 from deployments.config import RolloutAppConfig
+from deployments.routes import route
 
 TASK_TYPE = "T2I"  # SGLang's name for text-to-image, the task of every model served here
 SERVER_VERSION = importlib.metadata.version("diffusion-rollout")
+
+
+class DiscoveryRoutes:
+    _worker_info: dict | None = None  # the model's description, read from a worker once
+
+    async def info(self) -> dict:
+        """Handle API: the model, its scheduler and defaults, the limits and the weights served."""
+        if self._worker_info is None:
+            self._worker_info = await self.worker.info.remote()
+        weights = await self.coordinator.state.remote()
+        return {
+            **self._worker_info,
+            "weight_version": weights["weight_version"],
+            "replica_weight_versions": weights["replicas"],
+            "limits": self.config.limits.model_dump(),
+            "max_batch_size": self.config.max_batch_size,
+        }
+
+    @route("GET", "/rollout/info")
+    async def http_info(self) -> dict:
+        return await self.info()
+
+    @route("GET", "/model_info")
+    async def model_info(self) -> dict:
+        return model_info_body(await self.info())
+
+    @route("GET", "/server_info")
+    async def server_info(self) -> dict:
+        return server_info_body(await self.info(), self.config)
+
+    @route("GET", "/v1/models")
+    async def models(self) -> dict:
+        return model_list_body(await self.info(), self.config, self.started)
 
 
 def served_model_name(config: RolloutAppConfig) -> str:
     return config.served_model_name or config.model.label()
 
 
-def model_info(info: dict) -> dict:
+def model_info_body(info: dict) -> dict:
     return {
         "model_path": info["model_path"],
         "is_generation": True,
@@ -35,7 +71,7 @@ def model_info(info: dict) -> dict:
     }
 
 
-def server_info(info: dict, config: RolloutAppConfig) -> dict:
+def server_info_body(info: dict, config: RolloutAppConfig) -> dict:
     return {
         "model_path": info["model_path"],
         "served_model_name": served_model_name(config),
@@ -45,7 +81,7 @@ def server_info(info: dict, config: RolloutAppConfig) -> dict:
     }
 
 
-def model_list(info: dict, config: RolloutAppConfig, created: int) -> dict:
+def model_list_body(info: dict, config: RolloutAppConfig, created: int) -> dict:
     """OpenAI's model list with SGLang's diffusion fields, for one served model."""
     name = served_model_name(config)
     card = {

@@ -1,0 +1,33 @@
+"""Ray's private APIs this application relies on, each behind one small function here, so that a
+Ray upgrade that changes one breaks in one place, and `tests/deployments/test_ray_private.py`
+says which. `pyproject.toml` pins Ray to the versions the tests ran on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.serve.handle import DeploymentResponse
+from ray.serve.request_router import PendingRequest, RequestRouter
+
+
+async def object_ref(response: DeploymentResponse) -> ray.ObjectRef:
+    """The object reference of a handle call's result, once Serve has chosen its replica.
+
+    Awaiting the response itself would fetch the result into this process; the ingress hands the
+    reference on instead, so a worker's tensors go from the worker to whoever fetches them.
+    (`DeploymentResponse._to_object_ref`, a developer API.)
+    """
+    return await response._to_object_ref()
+
+
+def pending_request_by_id(router: RequestRouter, request_metadata: Any) -> PendingRequest | None:
+    """The pending request with the internal request id of `request_metadata`, from the router's
+    queue (`RequestRouter._get_pending_request_matching_internal_request_id`)."""
+    return router._get_pending_request_matching_internal_request_id(request_metadata)
+
+
+# `FIFOMixin` asks this method (by this name) which pending request a replica found for
+# `request_metadata` goes to; `FewestSamplesRouter` overrides it.
+FIFO_PENDING_REQUEST_HOOK = "_get_pending_request_matching_metadata"

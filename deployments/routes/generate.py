@@ -1,0 +1,70 @@
+"""Sampling: SGLang's `POST /rollout/generate`, and the handle's `generate` and `stop_serving`.
+
+Needs from the ingress: `config` (`RolloutAppConfig`) and `dispatcher` (`Dispatcher`).
+"""
+
+import logging
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from deployments.bodies import MSGPACK, read_body
+from deployments.dispatch import RolloutResult, joined_batch
+from deployments.http_errors import (
+    error_response,
+    internal_error_response,
+    library_error,
+)
+from deployments.routes import route
+from rollout.codec import to_json, to_msgpack
+from rollout.errors import clip
+from rollout.plan import RolloutPlan, plan_rollout
+from rollout.rows import response_rows
+from rollout.schema import RolloutRequest, parse_request, unknown_fields
+
+logger = logging.getLogger("ray.serve")
+
+
+class GenerateRoutes:
+    def _plan(self, request: RolloutRequest | dict[str, Any]) -> RolloutPlan:
+        validation = self.config.request_validation
+        ignored = unknown_fields(request) if validation == "sglang" and isinstance(request, dict) else []
+        if ignored:
+            logger.warning("ignoring unknown request fields %s", [clip(name) for name in ignored[:10]])
+        return plan_rollout(parse_request(request, validation), self.config.limits)
+
+    async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
+        """Handle API: validates and dispatches; raises `InvalidRequestError` naming a bad field."""
+        plan = self._plan(request)
+        return await self.dispatcher.dispatch(plan, self.dispatcher.deadline(plan))
+
+    async def stop_serving(self) -> None:
+        """Handle API, called before the application is deleted (`make serve`'s Ctrl-C): from now
+        on requests are refused with `StoppingError` (503), and HTTP requests in flight that are
+        not done within half of `graceful_shutdown_timeout_s` are answered so too, rather than cut
+        off when Serve kills the replica."""
+        self.dispatcher.stop()
+
+    @route("POST", "/rollout/generate")
+    async def http_generate(self, http_request: Request) -> Response:
+        start = time.perf_counter()
+        plan = None
+        try:
+            body = await read_body(http_request, self.config.max_request_body_bytes, "max_request_body_bytes")
+            plan = self._plan(body)
+            parts = await self.dispatcher.sampled(plan)
+            batch = joined_batch(parts)
+        except Exception as error:
+            known = library_error(error)
+            if known is not None:
+                return error_response(known)
+            request_id = plan.request_id if plan is not None else "(not planned)"
+            logger.exception("rollout request %s failed", request_id)
+            return internal_error_response(request_id)
+        peak_memory_mb = max((p.peak_memory_mb for p in parts if p.peak_memory_mb is not None), default=None)
+        rows = response_rows(plan, batch, time.perf_counter() - start, peak_memory_mb)
+        if "application/json" in http_request.headers.get("accept", ""):
+            return Response(to_json(rows), media_type="application/json")
+        return Response(to_msgpack(rows), media_type=MSGPACK)

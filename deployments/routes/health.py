@@ -1,0 +1,107 @@
+"""Health: `GET /liveness` (the process answers) and `GET /health` (requests can be served: some
+worker replica runs), on Serve's port and on the probe port (`deployments/probes.py`).
+
+`/health` answers from the last read of the worker replicas' status, renewed in the background
+once it is `HEALTH_TTL_S` old, so that an answer never waits for Serve's controller, however
+loaded. A replica whose pipeline broke fails Serve's health check and stops counting.
+
+Needs from the ingress: `config` and `worker_status` (`WorkerStatus`).
+"""
+
+import asyncio
+import logging
+import threading
+import time
+
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.serve.schema import ReplicaState
+
+from deployments.auth import bearer_refusal
+from deployments.http_errors import json_error
+from deployments.routes import route
+from rollout.errors import clip
+
+logger = logging.getLogger("ray.serve")
+HEALTH_TTL_S = 1.0
+# The probe port's first /health waits this long for the first status read (later ones never wait).
+FIRST_STATUS_WAIT_S = 5.0
+LIVE = {"status": "ok"}
+
+
+class WorkerStatus:
+    """How many worker replicas run, as last read from Serve (None until the first read).
+
+    Read on the ingress's event loop; the probe thread asks through `renew_from_another_thread`,
+    which wakes the loop only when the status is stale.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.running: int | None = None
+        self._loop = loop
+        self._checked_at = -float("inf")
+        self._read: asyncio.Task | None = None
+        self._known = threading.Event()
+
+    def stale(self) -> bool:
+        return time.monotonic() - self._checked_at > HEALTH_TTL_S
+
+    def renew_if_stale(self) -> None:
+        if self.stale() and (self._read is None or self._read.done()):
+            self._read = asyncio.create_task(self._read_running_workers())
+
+    async def first_read(self) -> None:
+        """Waits for a read, if none has completed yet."""
+        self.renew_if_stale()
+        if self.running is None:
+            await asyncio.shield(self._read)
+
+    def renew_from_another_thread(self) -> None:
+        if self.stale():
+            self._loop.call_soon_threadsafe(self.renew_if_stale)
+        self._known.wait(FIRST_STATUS_WAIT_S)
+
+    async def _read_running_workers(self) -> None:
+        try:
+            status = await asyncio.to_thread(serve.status)
+        except Exception:
+            logger.exception("could not read the application's status")
+            return
+        workers = status.applications[serve.get_replica_context().app_name].deployments["RolloutWorker"]
+        self.running = workers.replica_states.get(ReplicaState.RUNNING, 0)
+        self._checked_at = time.monotonic()
+        self._known.set()
+
+
+def health_answer(running_workers: int | None) -> JSONResponse:
+    if running_workers is None:
+        reason = "the worker replicas' status could not be read yet"
+    elif running_workers == 0:
+        reason = "no worker replica is running"
+    else:
+        return JSONResponse({"status": "ok", "worker_replicas_running": running_workers})
+    return JSONResponse(status_code=503, content={"status": "unhealthy", "reason": reason})
+
+
+class HealthRoutes:
+    @route("GET", "/liveness")  # SGLang's name: the process answers
+    async def liveness(self) -> dict:
+        return LIVE
+
+    @route("GET", "/health")
+    async def health(self) -> Response:
+        await self.worker_status.first_read()
+        return health_answer(self.worker_status.running)
+
+    def probe(self, path: str, authorization: str | None) -> Response:
+        """The probe port's answer, on the probe thread: the same routes, token and status as
+        Serve's port."""
+        refusal = bearer_refusal(path, authorization, self.config.auth_token)
+        if refusal is not None:  # before the 404, as on Serve's port: no route is shown without the token
+            return refusal
+        if path == "/liveness":
+            return JSONResponse(LIVE)
+        if path != "/health":
+            return json_error(404, "path", f"the probe port answers /health and /liveness, not {clip(path)}", "Not Found")
+        self.worker_status.renew_from_another_thread()
+        return health_answer(self.worker_status.running)

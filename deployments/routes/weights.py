@@ -1,0 +1,115 @@
+"""Weights: SGLang's `/update_weights_from_disk`, `/update_weights_from_tensor` and
+`/get_weights_checksum`, and the handle's methods of the same names.
+
+Needs from the ingress: `config` (`RolloutAppConfig`) and `coordinator` (the `WeightCoordinator` handle).
+"""
+
+import logging
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from deployments.bodies import read_body
+from deployments.http_errors import weights_refusal
+from deployments.routes import route
+from deployments.weights import (
+    ChecksumWeights,
+    DiskSource,
+    ObjectStoreTensors,
+    TensorSource,
+    UpdateResult,
+)
+from rollout.errors import RolloutError, WeightUpdateError
+from rollout.schema import (
+    UpdateWeightsFromDiskRequest,
+    WeightsChecksumRequest,
+    parse_body,
+    parse_tensor_update,
+)
+
+logger = logging.getLogger("ray.serve")
+
+
+class WeightRoutes:
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        target_modules: list[str] | None = None,
+    ) -> UpdateResult:
+        """Handle API: serves a local checkpoint on every replica; raises `WeightUpdateError` naming the cause."""
+        return _raise_unless_applied(await self._update(DiskSource(model_path, target_modules), weight_version))
+
+    async def update_weights_from_tensor(
+        self,
+        tensors: ObjectStoreTensors,
+        weight_version: str | None = None,
+        target_modules: list[str] | None = None,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
+    ) -> UpdateResult:
+        """Handle API: serves tensors a trainer put in the object store once (full weights, or a
+        LoRA adapter with `lora_rank` and `lora_alpha`); raises `WeightUpdateError` naming the cause."""
+        if not isinstance(tensors, ObjectStoreTensors):
+            raise WeightUpdateError("tensors", "pass ObjectStoreTensors(ray.put(named_tensors))")
+        source = TensorSource(tensors, target_modules, lora_rank, lora_alpha)
+        return _raise_unless_applied(await self._update(source, weight_version))
+
+    async def get_weights_checksum(self, module_names: list[str] | None = None) -> dict[str, dict[str, str]]:
+        """Handle API: per replica, the SHA-256 of each module's weights (`rollout.weights.weights_checksum`)."""
+        reports = await self.coordinator.broadcast_command.remote(ChecksumWeights(module_names))
+        return {replica: report.result for replica, report in reports.items()}
+
+    async def _update(self, source: DiskSource | TensorSource, weight_version: str | None) -> UpdateResult:
+        result = await self.coordinator.update.remote(source, weight_version)
+        logger.info("weight update: %s", result.message)
+        return result
+
+    @route("POST", "/update_weights_from_disk")
+    async def http_update_weights_from_disk(self, http_request: Request) -> Response:
+        try:
+            raw = await read_body(http_request, self.config.max_request_body_bytes, "max_request_body_bytes")
+            body = parse_body(UpdateWeightsFromDiskRequest, raw)
+        except RolloutError as error:
+            return weights_refusal(error)
+        source = DiskSource(body.model_path, body.target_modules)
+        return _weights_answer(await self._update(source, body.weight_version))
+
+    @route("POST", "/update_weights_from_tensor")
+    async def http_update_weights_from_tensor(self, http_request: Request) -> Response:
+        try:
+            raw = await read_body(http_request, self.config.max_weight_update_body_bytes, "max_weight_update_body_bytes")
+            body = parse_tensor_update(raw)
+        except RolloutError as error:
+            return weights_refusal(error)
+        source = TensorSource(body.named_tensors, body.target_modules, body.lora_rank, body.lora_alpha)
+        return _weights_answer(await self._update(source, body.weight_version))
+
+    @route("POST", "/get_weights_checksum")
+    async def http_get_weights_checksum(self, http_request: Request) -> Response:
+        try:
+            raw = await read_body(http_request, self.config.max_request_body_bytes, "max_request_body_bytes")
+            body = parse_body(WeightsChecksumRequest, raw or {})
+        except RolloutError as error:
+            return weights_refusal(error)
+        per_replica = await self.get_weights_checksum(body.module_names)
+        # SGLang's answer is {module: checksum}; replicas that disagree are reported as such.
+        agreed = {}
+        for name in sorted({name for checksums in per_replica.values() for name in checksums}):
+            values = {checksums.get(name) for checksums in per_replica.values()}
+            agreed[name] = values.pop() if len(values) == 1 else "inconsistent"
+        return JSONResponse({**agreed, "replicas": per_replica})
+
+
+def _raise_unless_applied(result: UpdateResult) -> UpdateResult:
+    if not result.success:
+        raise WeightUpdateError("update", result.message)
+    return result
+
+
+def _weights_answer(result: UpdateResult) -> JSONResponse:
+    """SGLang's answer to a weight update, with the version every replica now serves."""
+    content = {"success": result.success, "message": result.message, "weight_version": result.weight_version}
+    if result.failed_replicas:
+        content["failed_replicas"] = result.failed_replicas
+    return JSONResponse(status_code=200 if result.success else 400, content=content)

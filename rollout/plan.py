@@ -1,0 +1,247 @@
+"""A request's plan: its values checked against the server's limits, fanned out into samples, cut
+into the work a worker replica samples.
+
+`plan_rollout` is the one place a request's values are checked (the schema, `rollout.schema`,
+checks only their types), and where its per-sample data is derived once: sample i is prompt
+i // num_outputs_per_prompt, with that prompt's negative prompt and the seed `seed + i`.
+Everything here raises `InvalidRequestError` naming the field (HTTP 400).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout.errors import InvalidRequestError, RolloutError, short_repr
+from rollout.options import MAX_SEED, SamplingOptions, check_seed
+from rollout.schema import RolloutRequest
+from rollout.transitions import LogProbForm, TransitionKind
+
+
+class RequestLimits(BaseModel):
+    """What one request may ask for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_prompts_per_request: int = Field(64, ge=1, description="Most prompts in one request.")
+    max_outputs_per_prompt: int = Field(64, ge=1, description="Largest `num_outputs_per_prompt`.")
+    max_samples_per_request: int = Field(512, ge=1, description="Most samples (prompts x outputs) in one request.")
+    max_inference_steps: int = Field(100, ge=1, description="Largest `num_inference_steps`.")
+    default_inference_steps: int = Field(20, ge=1, description="`num_inference_steps` when a request gives none.")
+    # Finite but huge values make NaN and inf images and log-probs (guidance_scale 1e30 does on
+    # the embedded model; rollout_noise_level 30 does, and 5 already grows the latents to 3e4).
+    max_guidance_scale: float = Field(
+        100.0, gt=0, description="Largest `guidance_scale` and `true_cfg_scale` (common values are 1 to 15)."
+    )
+    max_noise_level: float = Field(
+        2.0, gt=0, description="Largest `rollout_noise_level` (Flow-GRPO uses 0.7; cps takes at most 1 anyway)."
+    )
+    max_image_size: int = Field(4096, ge=1, description="Largest `height` and `width`, in pixels.")
+
+    @model_validator(mode="after")
+    def _default_steps_within_the_limit(self) -> "RequestLimits":
+        # Otherwise every request without num_inference_steps would be refused.
+        if self.default_inference_steps > self.max_inference_steps:
+            raise ValueError(
+                f"default_inference_steps: must be at most max_inference_steps ({self.max_inference_steps}), "
+                f"got {self.default_inference_steps}"
+            )
+        return self
+
+
+class DeadlineExceededError(RolloutError):
+    """A request's deadline (`SamplingWork.deadline`: its `rollout_timeout_s`, or the server's
+    default) passed before it was sampled."""
+
+
+@dataclass(frozen=True)
+class SamplingWork:
+    """One sampler call's worth of one request's samples: what a worker replica receives.
+
+    Attributes:
+        prompts, negative_prompts, seeds: one per sample, in request order.
+        options: the request's options (a worker fills in its model's defaults once, on arrival).
+        weight_version: the weights the request requires; None: whichever are served.
+        deadline: `time.time()` past which the work is not worth sampling.
+    """
+
+    prompts: tuple[str, ...]
+    negative_prompts: tuple[str, ...]
+    seeds: tuple[int, ...]
+    options: SamplingOptions
+    weight_version: str | None = None
+    deadline: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """A validated request, fanned out into samples.
+
+    Attributes:
+        request_id: names the request in its rows and the server's log.
+        request: the parsed request (what the rows echo back).
+        seed: the request's base seed, drawn here when the request gave none.
+        options: the request's sampling options.
+        prompts, negative_prompts, seeds: one per sample, prompt-major: sample i is prompt
+            i // num_outputs_per_prompt, seed `seed + i`.
+    """
+
+    request_id: str
+    request: RolloutRequest
+    seed: int
+    options: SamplingOptions
+    prompts: tuple[str, ...]
+    negative_prompts: tuple[str, ...]
+    seeds: tuple[int, ...]
+
+    @property
+    def num_outputs_per_prompt(self) -> int:
+        return self.request.outputs_per_prompt
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.seeds)
+
+    def work(self, chunk_size: int, deadline: float | None = None) -> list[SamplingWork]:
+        """The request's samples in order, cut into pieces of at most `chunk_size`."""
+        return [
+            SamplingWork(
+                self.prompts[start : start + chunk_size],
+                self.negative_prompts[start : start + chunk_size],
+                self.seeds[start : start + chunk_size],
+                self.options,
+                self.request.weight_version,
+                deadline,
+            )
+            for start in range(0, self.num_samples, chunk_size)
+        ]
+
+
+def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str | None = None) -> RolloutPlan:
+    """Checks a request's values against the limits and the sampling rules; raises `InvalidRequestError`."""
+    prompts = request.prompts()
+    if not prompts:
+        raise InvalidRequestError("prompt", "needs at least one prompt")
+    if len(prompts) > limits.max_prompts_per_request:
+        raise InvalidRequestError("prompt", f"at most {limits.max_prompts_per_request} prompts, got {len(prompts)}")
+    per_prompt = request.outputs_per_prompt
+    if not 1 <= per_prompt <= limits.max_outputs_per_prompt:
+        raise InvalidRequestError(
+            "num_outputs_per_prompt", f"must be in [1, {limits.max_outputs_per_prompt}], got {per_prompt}"
+        )
+    num_samples = len(prompts) * per_prompt
+    if num_samples > limits.max_samples_per_request:
+        raise InvalidRequestError(
+            "num_outputs_per_prompt",
+            f"prompts x num_outputs_per_prompt = {num_samples} is over the limit of {limits.max_samples_per_request}",
+        )
+    steps = limits.default_inference_steps if request.num_inference_steps is None else request.num_inference_steps
+    if steps > limits.max_inference_steps:
+        raise InvalidRequestError("num_inference_steps", f"at most {limits.max_inference_steps}, got {steps}")
+    _check_value_limits(request, limits, steps)
+    _check_image_model_fields(request)
+    negative_prompts = _negative_prompt_per_prompt(request, len(prompts))
+    seed = secrets.randbelow(2**31) if request.seed is None else check_seed(request.seed)
+    if seed + num_samples - 1 > MAX_SEED:
+        raise InvalidRequestError("seed", f"seed + number of samples - 1 must be <= {MAX_SEED}")
+    return RolloutPlan(
+        request_id=request_id or secrets.token_hex(8),
+        request=request,
+        seed=seed,
+        options=_sampling_options(request, steps),
+        prompts=tuple(p for p in prompts for _ in range(per_prompt)),
+        negative_prompts=tuple(n for n in negative_prompts for _ in range(per_prompt)),
+        seeds=tuple(range(seed, seed + num_samples)),
+    )
+
+
+def _negative_prompt_per_prompt(request: RolloutRequest, num_prompts: int) -> list[str]:
+    if request.negative_prompt is None:
+        return [""] * num_prompts
+    if isinstance(request.negative_prompt, str):
+        return [request.negative_prompt] * num_prompts
+    if len(request.negative_prompt) != num_prompts:
+        raise InvalidRequestError(
+            "negative_prompt", f"needs one entry per prompt: {len(request.negative_prompt)} for {num_prompts} prompts"
+        )
+    return list(request.negative_prompt)
+
+
+def _sampling_options(request: RolloutRequest, steps: int) -> SamplingOptions:
+    """The request's sampling fields as `SamplingOptions`, which check the sampling rules."""
+    common = dict(
+        num_inference_steps=steps,
+        height=request.height,
+        width=request.width,
+        guidance_scale=request.guidance_scale,
+        true_cfg_scale=request.true_cfg_scale,
+    )
+    if not request.rollout:  # evaluation: the deterministic sampler, images only
+        return SamplingOptions(**common, sde_type=TransitionKind.ODE, return_step_indices=())
+    # Latents travel only when asked for (the trajectory, or chosen steps of it): a worker's result
+    # carries what the response uses.
+    asked_for_latents = request.rollout_return_dit_trajectory or request.rollout_return_step_indices is not None
+    squared_error = request.rollout_log_prob_no_const
+    form = LogProbForm.SQUARED_ERROR if squared_error else LogProbForm.GAUSSIAN
+    options = SamplingOptions(
+        **common,
+        sde_type=request.rollout_sde_type,
+        noise_level=request.rollout_noise_level,
+        log_prob_form=form if request.rollout_log_prob_form is None else request.rollout_log_prob_form,
+        sde_step_indices=request.rollout_sde_step_indices,
+        return_step_indices=request.rollout_return_step_indices if asked_for_latents else (),
+        debug=request.rollout_debug_mode,
+        return_denoising_env=request.rollout_return_denoising_env,
+    )
+    if squared_error and options.log_prob_form is not LogProbForm.SQUARED_ERROR:
+        raise InvalidRequestError(
+            "rollout_log_prob_form",
+            f"{options.log_prob_form.value!r} conflicts with rollout_log_prob_no_const: true "
+            "(which means 'squared_error')",
+        )
+    return options
+
+
+# Request field -> the `RequestLimits` field that bounds it.
+_UPPER_LIMITS = {
+    "guidance_scale": "max_guidance_scale",
+    "true_cfg_scale": "max_guidance_scale",
+    "rollout_noise_level": "max_noise_level",
+    "height": "max_image_size",
+    "width": "max_image_size",
+}
+
+
+def _check_value_limits(request: RolloutRequest, limits: RequestLimits, steps: int) -> None:
+    for field, limit_name in _UPPER_LIMITS.items():
+        value, limit = getattr(request, field), getattr(limits, limit_name)
+        if value is not None and value > limit:
+            raise InvalidRequestError(field, f"must be at most {limit} (limits.{limit_name}), got {short_repr(value)}")
+    # Each step can be named once, so a longer list is refused by its length alone, before anything
+    # walks its entries (150,000 zeros took 13 s in SamplingOptions' duplicate check).
+    step_lists = (("rollout_sde_step_indices", steps, steps - 1), ("rollout_return_step_indices", steps + 1, steps))
+    for field, most, largest in step_lists:
+        indices = getattr(request, field)
+        if indices is not None and len(indices) > most:
+            raise InvalidRequestError(
+                field,
+                f"at most {most} entries (steps 0 .. {largest}, each once, of num_inference_steps {steps}), "
+                f"got {len(indices)}",
+            )
+
+
+def _check_image_model_fields(request: RolloutRequest) -> None:
+    """SGLang's video and image-input fields, which every model served here (text-to-image) refuses."""
+    if request.num_frames is not None and request.num_frames != 1:
+        raise InvalidRequestError(
+            "num_frames", f"the served model generates images: must be 1, got {request.num_frames}"
+        )
+    if request.fps is not None and request.fps < 1:
+        raise InvalidRequestError("fps", f"must be a positive integer, got {request.fps}")
+    if request.image_path:
+        raise InvalidRequestError("image_path", "the served model is text-to-image and takes no input image")

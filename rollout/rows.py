@@ -1,0 +1,83 @@
+"""The response rows: one map per sample, in SGLang's layout, from a plan and its sampled batch;
+and, for a trainer that reads rows, the schedule they carry.
+
+Every row has all of SGLang's keys (None where unset), then this server's extensions. Tensors
+are left for the codec (`rollout.codec`) to encode; the per-request tensors of `dit_trajectory`
+are one object each, shared by every row, so a `TensorEncoder` encodes them once per response.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rollout.errors import InvalidRequestError
+from rollout.plan import RolloutPlan
+from rollout.schedule import ScheduleSnapshot
+from rollout.trajectory import RolloutBatch, SampleTrajectory
+
+# `dit_trajectory` key -> the `ScheduleSnapshot` field it holds, whole and unfiltered.
+SCHEDULE_KEYS = {"sigmas": "sigmas", "scheduler_timesteps": "timesteps", "model_timesteps": "model_timesteps"}
+
+
+def response_rows(
+    plan: RolloutPlan,
+    batch: RolloutBatch,
+    inference_time_s: float,
+    peak_memory_mb: float | None = None,
+) -> list[dict[str, Any]]:
+    """One map per sample, in request order: SGLang's keys, then the extensions `prompt_index`,
+    `sample_seed` and `weight_version`."""
+    request = plan.request
+    kept_steps = torch.tensor(batch.options.kept_latent_steps(), dtype=torch.int64)
+    trajectory_labels = {
+        "timesteps": batch.schedule.latent_timesteps(kept_steps),  # one per returned latent, SGLang's runtime
+        # sigmas [T + 1], the scheduler's timesteps [T], the transformer's time input [T]: whole, never filtered
+        **{key: getattr(batch.schedule, field) for key, field in SCHEDULE_KEYS.items()},
+        "latent_step_indices": kept_steps,
+    }
+    return_trajectory = request.rollout and request.rollout_return_dit_trajectory
+    return [
+        {
+            "request_id": plan.request_id,
+            "prompt": sample.prompt,
+            "seed": plan.seed,
+            "generated_output": sample.image,
+            "rollout_log_probs": sample.log_probs if request.rollout else None,
+            "rollout_debug_tensors": _debug_tensors(sample),
+            "denoising_env": sample.denoising_env,
+            "dit_trajectory": {"latents": sample.latents, **trajectory_labels} if return_trajectory else None,
+            "inference_time_s": inference_time_s,
+            "peak_memory_mb": None if request.suppress_logs else peak_memory_mb,
+            "prompt_index": i // plan.num_outputs_per_prompt,
+            "sample_seed": sample.seed,
+            "weight_version": sample.weight_version,
+        }
+        for i, sample in enumerate(batch.samples)
+    ]
+
+
+def _debug_tensors(sample: SampleTrajectory) -> dict[str, torch.Tensor] | None:
+    if sample.debug is None:
+        return None
+    return {
+        "rollout_variance_noises": sample.debug.variance_noises,
+        "rollout_prev_sample_means": sample.debug.prev_sample_means,
+        "rollout_noise_std_devs": sample.debug.noise_std_devs.unsqueeze(-1),  # [T, 1], as SGLang's
+        "rollout_model_outputs": sample.debug.model_outputs,
+    }
+
+
+
+def schedule_of_row(row: dict[str, Any]) -> ScheduleSnapshot:
+    """The schedule a row's `dit_trajectory` carries, from its three tensors as they came (a trainer
+    reading rows replays with it); raises `InvalidRequestError` if any is missing, since a guessed
+    one (`model_timesteps` from `timesteps`, sigmas from `timesteps / 1000`) breaks the replay."""
+    trajectory = row.get("dit_trajectory")
+    if trajectory is None:
+        raise InvalidRequestError("dit_trajectory", "the row has none: ask for it with rollout_return_dit_trajectory")
+    missing = [key for key in SCHEDULE_KEYS if key not in trajectory]
+    if missing:
+        raise InvalidRequestError("dit_trajectory", f"lacks {missing}: the schedule cannot be taken from it")
+    return ScheduleSnapshot(**{field: trajectory[key] for key, field in SCHEDULE_KEYS.items()})

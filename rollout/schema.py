@@ -1,0 +1,261 @@
+"""The rollout API's wire types: the request and the weight routes' bodies, and how a body is parsed.
+
+The request is SGLang's diffusion rollout API (0.5.23,
+`sglang/multimodal_gen/runtime/entrypoints/post_training/io_struct.py`), so a trainer written for
+it works unchanged; this server's extensions are extra fields beside SGLang's (README, "Coming
+from SGLang"). Plain pydantic, no Ray: the HTTP route and the deployment-handle method both parse
+with `parse_request`, so a Python dict, a pydantic object and a JSON body take the same path.
+
+Only types are checked here: a body that does not fit the schema (a wrong type, a missing prompt,
+an unknown field) raises `RequestSchemaError` (HTTP 422, as in SGLang). Values are checked when
+the request is planned (`rollout.plan`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rollout.codec import decode_tree
+from rollout.errors import InvalidRequestError, RequestSchemaError, clip, short_repr
+
+# "strict": unknown fields and mistyped values are refused (422). "sglang": SGLang's own
+# pydantic behaviour, unknown fields dropped and values coerced where pydantic's lax mode can.
+RequestValidation = Literal["strict", "sglang"]
+
+
+class RolloutRequest(BaseModel):
+    """`POST /rollout/generate` body, and the argument of the handle's `generate`.
+
+    SGLang's fields in SGLang's order and with its defaults, then this server's extensions.
+    Only types are checked here; values are checked by `rollout.plan.plan_rollout`.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    prompt: str | list[str] = Field(description="One prompt, or (extension) a list of prompts served by one request.")
+    negative_prompt: str | list[str] | None = Field(
+        None, description="One negative prompt for all prompts, or one per prompt. Default: the model's."
+    )
+    seed: int | None = Field(
+        None, description="Base seed; sample i (prompt-major) uses seed + i. Default: random, returned as `seed`."
+    )
+    generator_device: str = Field(
+        "cuda", description="Accepted as in SGLang; noise always comes from per-sample CPU generators here."
+    )
+    width: int | None = Field(None, description="Image width in pixels. Default: the model's.")
+    height: int | None = Field(None, description="Image height in pixels. Default: the model's.")
+    num_inference_steps: int | None = Field(None, description="T, the number of denoising steps.")
+    num_outputs_per_prompt: int | None = Field(None, description="Samples per prompt. Default: 1.")
+    guidance_scale: float | None = Field(None, description="The model's guidance scale. Default: the model's.")
+    true_cfg_scale: float | None = Field(None, description="Classifier-free guidance weight, where the model has one.")
+    num_frames: int | None = Field(None, description="Frames per sample: image models take only 1.")
+    fps: int | None = Field(None, description="Frame rate of video models; image models ignore it.")
+    rollout: bool = Field(True, description="False: evaluation, images only, from the deterministic ODE sampler.")
+    rollout_sde_type: str = Field("sde", description="Transition of the stochastic steps: sde, cps or ode.")
+    rollout_noise_level: float = Field(0.7, description="eta, the noise level.")
+    rollout_log_prob_no_const: bool = Field(
+        False, description="Per-step log-probs as -(x_next - mean)^2, SGLang's constant-free form."
+    )
+    rollout_debug_mode: bool = Field(True, description="Return per-step velocities, means, stds and noises.")
+    rollout_return_denoising_env: bool = Field(False, description="Return each sample's conditioning tensors.")
+    rollout_return_dit_trajectory: bool = Field(False, description="Return latents, timesteps and sigmas.")
+    rollout_sde_step_indices: list[int] | None = Field(None, description="Stochastic steps; others run as ODE.")
+    rollout_return_step_indices: list[int] | None = Field(None, description="Latents to return; T is the final one.")
+    image_path: list[str] | None = Field(None, description="Input images of image-to-image models.")
+    suppress_logs: bool = Field(False, description="Report no `peak_memory_mb`, as SGLang (this server logs no requests).")
+    extra_sampling_params: dict[str, Any] | None = Field(
+        None, description="Overrides of the fields above, merged as SGLang merges them."
+    )
+    rollout_log_prob_form: str | None = Field(
+        None,
+        description="(extension) gaussian, gaussian_no_const or squared_error; "
+        "default: squared_error with rollout_log_prob_no_const, else gaussian.",
+    )
+    weight_version: str | None = Field(
+        None, description="(extension) The weights the request requires; a replica serving others refuses it."
+    )
+    rollout_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="(extension) Seconds the request may take; past them it fails (HTTP 504) and its work still "
+        "queued is dropped. Default: the app's request_timeout_s.",
+    )
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    @property
+    def outputs_per_prompt(self) -> int:
+        return 1 if self.num_outputs_per_prompt is None else self.num_outputs_per_prompt
+
+
+# What `extra_sampling_params` may override: SGLang merges it into the sampling parameters, which
+# here are the request's own fields. SGLang keeps the top-level `rollout` whatever it says.
+_OVERRIDABLE_FIELDS = set(RolloutRequest.model_fields) - {"prompt", "extra_sampling_params"}
+
+
+def unknown_fields(data: dict[Any, Any]) -> list[str]:
+    """The keys of a request body that are not request fields."""
+    return [str(key) for key in data if key not in RolloutRequest.model_fields]
+
+
+def parse_request(data: RolloutRequest | dict[str, Any], validation: RequestValidation = "strict") -> RolloutRequest:
+    """Validates a request's types and merges its `extra_sampling_params`.
+
+    Raises `RequestSchemaError` naming the first field that does not fit the schema, or
+    `InvalidRequestError` for an `extra_sampling_params` key this server cannot honour.
+    """
+    lenient = validation == "sglang"
+    if not isinstance(data, RolloutRequest):
+        if not isinstance(data, dict):
+            raise RequestSchemaError("body", f"must be a JSON object, got {type(data).__name__}")
+        unknown = unknown_fields(data)
+        if unknown and lenient:
+            data = {key: value for key, value in data.items() if key in RolloutRequest.model_fields}
+        elif unknown:
+            raise _unknown_fields_error(unknown, RolloutRequest)
+        data = _validated(RolloutRequest, data, strict=not lenient)
+    return _merge_extra_sampling_params(data, lenient)
+
+
+# A body with a million bad items is answered with the first few, each location clipped.
+_MAX_REPORTED_PROBLEMS = 10
+
+
+def _problem(kind: str, loc: list[Any], message: str) -> dict[str, Any]:
+    """One entry of FastAPI's `detail`, without the value (FastAPI's would echo it)."""
+    loc = [part if isinstance(part, int) else clip(str(part)) for part in loc]
+    return {"type": kind, "loc": ["body", *loc], "msg": message}
+
+
+def _unknown_fields_error(unknown: list[str], model: type[BaseModel]) -> RequestSchemaError:
+    reason = f"unknown field{_did_you_mean(unknown[0], model)}"
+    if model is RolloutRequest:
+        reason += " (an app with request_validation: sglang ignores unknown fields, as SGLang does)"
+    message = "Extra inputs are not permitted"  # pydantic's and FastAPI's words
+    detail = [_problem("extra_forbidden", [name], message) for name in unknown[:_MAX_REPORTED_PROBLEMS]]
+    return RequestSchemaError(unknown[0], reason, detail)
+
+
+def _validated(model: type[Body], data: dict[str, Any], strict: bool, location: tuple[str, ...] = ()) -> Body:
+    try:
+        return model.model_validate(data, strict=strict)
+    except ValidationError as e:
+        raise _schema_error(e, location) from None
+
+
+def _schema_error(error: ValidationError, location: tuple[str, ...]) -> RequestSchemaError:
+    problems = error.errors(include_url=False)
+    # The deepest error is the most specific one (a union reports one error per branch).
+    first_problem = max(problems, key=lambda problem: len(problem["loc"]))
+    # The bodies are flat: the location is a field name, then union branches (type names,
+    # dropped), list indices (kept) and, in a map of tensors, its keys (dropped).
+    name, *rest = first_problem["loc"] or ("body",)
+    field = ".".join([*location, str(name)] + [str(part) for part in rest if isinstance(part, int)])
+    value = "" if first_problem["type"] == "missing" else f", got {short_repr(first_problem['input'])}"
+    detail = [
+        _problem(problem["type"], [*location, *problem["loc"]], problem["msg"])
+        for problem in problems[:_MAX_REPORTED_PROBLEMS]
+    ]
+    return RequestSchemaError(field, f"{first_problem['msg']}{value}", detail)
+
+
+def _merge_extra_sampling_params(request: RolloutRequest, lenient: bool) -> RolloutRequest:
+    """The request with its `extra_sampling_params` merged into its fields, as SGLang merges them.
+
+    A key that is not a request field would be one of SGLang's other sampling parameters
+    (custom `sigmas`, say), which this server does not implement: refused rather than ignored.
+    """
+    extras = request.extra_sampling_params
+    if not extras:
+        return request
+    for key, value in extras.items():
+        if key not in _OVERRIDABLE_FIELDS:
+            raise InvalidRequestError(
+                f"extra_sampling_params.{key}",
+                f"this server does not support the sampling parameter {short_repr(key)}{_did_you_mean(str(key), RolloutRequest)}; "
+                "it takes overrides of the request's own fields",
+            )
+        if key == "rollout" and value != request.rollout and not lenient:
+            raise InvalidRequestError(
+                "extra_sampling_params.rollout",
+                "conflicts with the request's `rollout`; SGLang keeps the top-level value (request_validation: sglang)",
+            )
+    overrides = {key: value for key, value in extras.items() if key != "rollout"}
+    merged = {**request.model_dump(exclude={"extra_sampling_params"}), **overrides}
+    return _validated(RolloutRequest, merged, not lenient, ("extra_sampling_params",))
+
+
+# difflib's cutoff (a ratio of 0.6) cannot be met by a name this long, and difflib indexes every
+# character of the name it is given: seconds for a megabyte key.
+_LONGEST_CLOSE_NAME = 3 * max(map(len, RolloutRequest.model_fields))
+
+
+def _did_you_mean(name: str, model: type[BaseModel]) -> str:
+    if len(name) > _LONGEST_CLOSE_NAME:
+        return ""
+    close = difflib.get_close_matches(name, model.model_fields, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """`POST /update_weights_from_disk`: SGLang's body, and the version to serve (extension)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(description="A pipeline checkpoint, a PEFT adapter directory, or a safetensors file.")
+    flush_cache: bool = Field(True, description="SGLang's; nothing here caches weight-derived values.")
+    target_modules: list[str] | None = Field(None, description="Modules to update; None: all (a whole checkpoint).")
+    weight_version: str | None = Field(None, description="(extension) Name of the new weights.")
+
+
+class UpdateWeightsFromTensorRequest(BaseModel):
+    """`POST /update_weights_from_tensor`: named tensors in this server's tensor envelope.
+
+    SGLang sends `serialized_named_tensors`, pickles, which a server must never unpickle; this
+    endpoint takes `named_tensors` instead, decoded with safetensors only.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    named_tensors: dict[str, torch.Tensor] = Field(description="Weight name -> tensor envelope.")
+    target_modules: list[str] | None = Field(None, description="The one module the tensors are for. Default: transformer.")
+    lora_rank: int | None = Field(None, description="With LoRA tensors: the adapter's rank.")
+    lora_alpha: float | None = Field(None, description="With LoRA tensors: the adapter's alpha.")
+    weight_version: str | None = Field(None, description="(extension) Name of the new weights.")
+
+
+class WeightsChecksumRequest(BaseModel):
+    """`POST /get_weights_checksum`: SGLang's body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    module_names: list[str] | None = Field(None, description="Modules to checksum; None: all.")
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(model: type[Body], data: Any) -> Body:
+    """A weight route's body, validated as SGLang's FastAPI validates it (pydantic's lax mode, no
+    unknown fields); raises `RequestSchemaError` naming the first field that does not fit."""
+    if not isinstance(data, dict):
+        raise RequestSchemaError("body", f"must be a JSON object, got {type(data).__name__}")
+    unknown = [str(key) for key in data if key not in model.model_fields]
+    if unknown:
+        raise _unknown_fields_error(unknown, model)
+    return _validated(model, data, strict=False)
+
+
+def parse_tensor_update(data: Any) -> UpdateWeightsFromTensorRequest:
+    """`/update_weights_from_tensor`'s body, its tensor envelopes decoded (never unpickled)."""
+    if isinstance(data, dict) and "serialized_named_tensors" in data:
+        raise InvalidRequestError(
+            "serialized_named_tensors",
+            "are pickles, which this server never unpickles; send named_tensors as tensor envelopes (rollout.codec)",
+        )
+    return parse_body(UpdateWeightsFromTensorRequest, decode_tree(data))

@@ -1,0 +1,42 @@
+"""The test applications' configuration, and deploying an application of its own beside the
+session's (`conftest.py` deploys the session's one)."""
+
+import socket
+from types import SimpleNamespace
+
+from ray import serve
+
+from deployments.app import build_app
+
+APP_NAME = "rollout-test"
+TEST_CONFIG = {
+    "app_name": APP_NAME,
+    "weight_version": "test-v1",
+    "auth_token": None,  # whatever ROLLOUT_AUTH_TOKEN the shell has
+    "num_worker_replicas": 2,
+    "worker_num_cpus": 0.5,
+    "worker_torch_threads": 1,
+    "max_batch_size": 16,
+    # Long enough that concurrent requests reliably meet in one batch on a loaded machine.
+    "batch_wait_timeout_s": 0.2,
+    "limits": {
+        "max_prompts_per_request": 8,
+        "max_outputs_per_prompt": 8,
+        "max_samples_per_request": 32,
+        "max_inference_steps": 50,
+    },
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deploy(serve_app, name: str, **config) -> SimpleNamespace:
+    """An application of its own beside the session's, with its probe port (`deployments/probes.py`)."""
+    probe_port = free_port()
+    config = {**TEST_CONFIG, **config, "app_name": name, "probe_port": probe_port}
+    handle = serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+    return SimpleNamespace(handle=handle, name=name, url=f"{serve_app[1]}/{name}", probe_url=f"http://127.0.0.1:{probe_port}")

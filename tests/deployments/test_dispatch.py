@@ -1,0 +1,127 @@
+"""A request's life between the ingress and the workers (`deployments/dispatch.py`), without Ray
+or Serve: chunks, admission, retries of lost parts, one timeout for the whole fetch, cancellation,
+deadlines and stopping, through the async and the sync API alike."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+from deployments.config import RolloutAppConfig
+from deployments.dispatch import (
+    Dispatcher,
+    FetchTimeoutError,
+    OverloadedError,
+    StoppingError,
+    WorkerLostError,
+    chunk_size,
+)
+from rollout.plan import DeadlineExceededError, RequestLimits, plan_rollout
+from rollout.schema import parse_request
+
+
+def plan(samples: int = 4, **fields):
+    return plan_rollout(parse_request({"prompt": "7", "num_outputs_per_prompt": samples, "seed": 0, **fields}), RequestLimits())
+
+
+class Part:
+    """A part that resolves to its work's result after `delay_s`, or raises `error`; awaitable in any loop."""
+
+    def __init__(self, work, delay_s: float = 0.0, error: BaseException | None = None):
+        self.work, self.delay_s, self.error = work, delay_s, error
+
+    async def _resolve(self):
+        await asyncio.sleep(self.delay_s)
+        if self.error is not None:
+            raise self.error
+        return SimpleNamespace(work=self.work)
+
+    def __await__(self):
+        return self._resolve().__await__()
+
+
+class Workers:
+    """Records what was sent and cancelled; `parts(work, attempt)` makes each part."""
+
+    def __init__(self, parts=lambda work, attempt: Part(work)):
+        self.sent, self.cancelled, self._parts = [], [], parts
+
+    async def send(self, work):
+        self.sent.append(work)
+        return self._parts(work, sum(w is work for w in self.sent))
+
+    def cancel(self, part):
+        self.cancelled.append(part)
+
+
+def dispatcher(workers, queued=0, **config) -> Dispatcher:
+    fields = {"num_worker_replicas": 2, "max_batch_size": 32, **config}
+    return Dispatcher(workers, RolloutAppConfig(**fields), lambda: queued)
+
+
+def test_a_request_is_cut_so_every_replica_gets_a_share_and_no_chunk_passes_a_batch():
+    assert chunk_size(16, 2, 32) == 8 and chunk_size(3, 2, 32) == 2 and chunk_size(100, 2, 16) == 16
+    workers = Workers()
+    result = asyncio.run(dispatcher(workers).dispatch(plan(3), deadline=1e12))
+    assert [work.seeds for work in workers.sent] == [(0, 1), (2,)]
+    assert [r.work for r in asyncio.run(result.worker_results_async())] == workers.sent
+
+
+def test_admission_counts_queued_samples_and_refuses_beyond_the_limit():
+    workers = Workers()
+    with pytest.raises(OverloadedError, match="30 samples are queued and this request adds 4, over the limit of 32"):
+        asyncio.run(dispatcher(workers, queued=30, max_queued_samples=32).dispatch(plan(4), 1e12))
+    assert workers.sent == []
+    # A request larger than the limit is still admitted to an empty queue.
+    asyncio.run(dispatcher(workers, queued=0, max_queued_samples=2).dispatch(plan(4), 1e12))
+    stopped = dispatcher(workers)
+    stopped.stop()
+    with pytest.raises(StoppingError):
+        asyncio.run(stopped.dispatch(plan(1), 1e12))
+
+
+def test_a_lost_part_is_sampled_again_with_the_same_work_until_the_attempts_run_out():
+    lost = ray.exceptions.RayActorError()
+    once = Workers(lambda work, attempt: Part(work, error=lost if attempt == 1 else None))
+    result = asyncio.run(dispatcher(once, num_worker_replicas=1).dispatch(plan(2), 1e12))
+    [fetched] = result.worker_results()  # the sync API runs the same code
+    assert fetched.work is once.sent[0] and once.sent == [once.sent[0]] * 2
+
+    always = Workers(lambda work, attempt: Part(work, error=lost))
+    result = asyncio.run(dispatcher(always, num_worker_replicas=1, worker_retry_attempts=3).dispatch(plan(2), 1e12))
+    with pytest.raises(WorkerLostError, match="lost 3 times"):
+        result.worker_results()
+    assert len(always.sent) == 3
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_one_timeout_bounds_the_whole_fetch(api):
+    # Three parts done 0.6 s apart: each comes within 1 s of the one before, the last 1.8 s in.
+    delays = iter([0.6, 1.2, 1.8])
+    workers = Workers(lambda work, attempt: Part(work, delay_s=next(delays)))
+    result = asyncio.run(dispatcher(workers, num_worker_replicas=3).dispatch(plan(3), 1e12))
+    with pytest.raises(FetchTimeoutError, match="within 1.0 s"):
+        result.worker_results(timeout_s=1.0) if api == "sync" else asyncio.run(result.worker_results_async(1.0))
+
+
+def test_past_its_deadline_a_request_fails_and_its_queued_parts_are_cancelled():
+    workers = Workers(lambda work, attempt: Part(work, delay_s=30))
+    with pytest.raises(DeadlineExceededError):
+        asyncio.run(dispatcher(workers).sampled(plan(4, rollout_timeout_s=0.2)))
+    assert len(workers.cancelled) == 2  # both parts
+
+
+def test_a_stopping_server_answers_what_is_not_done_within_half_the_grace():
+    workers = Workers(lambda work, attempt: Part(work, delay_s=30))
+    stopping = dispatcher(workers, graceful_shutdown_timeout_s=0.4)
+
+    async def scenario():
+        request = asyncio.create_task(stopping.sampled(plan(2)))
+        await asyncio.sleep(0.1)
+        stopping.stop()
+        return await request
+
+    with pytest.raises(StoppingError, match="stopped before this request was sampled"):
+        asyncio.run(scenario())
+    assert len(workers.cancelled) == 2
