@@ -27,18 +27,13 @@ import tempfile
 import time
 from pathlib import Path
 
+# The suite's own requests and application, as the commit being served defines them.
+from benchmarks.__main__ import HEAVY, LIGHT, ONE_REPLICA, request
+
 REPO = Path(__file__).resolve().parent.parent
-STEPS = 20
-LIGHT = {"num_inference_steps": STEPS, "rollout_debug_mode": False}
-HEAVY = {**LIGHT, "rollout_debug_mode": True, "rollout_return_dit_trajectory": True}
-ONE_REPLICA = {"num_worker_replicas": 1, "worker_num_cpus": 1, "worker_torch_threads": 1, "max_batch_size": 32}
 WORK = {"light": LIGHT, "heavy": HEAVY}
 PATHS = ("in-process", "handle", "HTTP msgpack")
 BURST = ("one 16-sample request", "16 one-sample requests")
-
-
-def request(samples: int, prompts: int = 8, **fields) -> dict:
-    return {**fields, "prompt": [str(d % 10) for d in range(prompts)], "num_outputs_per_prompt": samples // prompts, "seed": 0}
 
 
 # A commit's server -------------------------------------------------------------------------------
