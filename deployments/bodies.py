@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
+from deployments.config import RolloutAppConfig
 from rollout.codec import parse_json, parse_msgpack
 from rollout.errors import FieldError
 
@@ -18,9 +19,10 @@ class BodyTooLargeError(FieldError):
     """A request body over its limit in the app config (HTTP 413); refused before the rest is read."""
 
 
-async def read_body(http_request: Request, limit: int, limit_name: str) -> Any:
-    """The body, parsed; raises `BodyTooLargeError` as soon as it is known to be over `limit` bytes
-    (`limit_name`, the app config's field), or `CodecError` if it does not parse."""
+async def read_body(http_request: Request, config: RolloutAppConfig, limit_name: str = "max_request_body_bytes") -> Any:
+    """The body, parsed; raises `BodyTooLargeError` as soon as it is known to be over the app
+    config's `limit_name` bytes, or `CodecError` if it does not parse."""
+    limit = getattr(config, limit_name)
     too_large = f"larger than the limit of {limit} bytes ({limit_name} in the app config)"
     declared = http_request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:

@@ -52,7 +52,7 @@ class GenerateRoutes:
         start = time.perf_counter()
         plan = None
         try:
-            body = await read_body(http_request, self.config.max_request_body_bytes, "max_request_body_bytes")
+            body = await read_body(http_request, self.config)
             plan = self._plan(body)
             parts = await self.dispatcher.sampled(plan)
             batch = joined_batch(parts)

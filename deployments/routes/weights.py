@@ -68,7 +68,7 @@ class WeightRoutes:
     @route("POST", "/update_weights_from_disk")
     async def http_update_weights_from_disk(self, http_request: Request) -> Response:
         try:
-            raw = await read_body(http_request, self.config.max_request_body_bytes, "max_request_body_bytes")
+            raw = await read_body(http_request, self.config)
             body = parse_body(UpdateWeightsFromDiskRequest, raw)
         except RolloutError as error:
             return weights_refusal(error)
@@ -78,7 +78,7 @@ class WeightRoutes:
     @route("POST", "/update_weights_from_tensor")
     async def http_update_weights_from_tensor(self, http_request: Request) -> Response:
         try:
-            raw = await read_body(http_request, self.config.max_weight_update_body_bytes, "max_weight_update_body_bytes")
+            raw = await read_body(http_request, self.config, "max_weight_update_body_bytes")
             body = parse_tensor_update(raw)
         except RolloutError as error:
             return weights_refusal(error)
@@ -88,7 +88,7 @@ class WeightRoutes:
     @route("POST", "/get_weights_checksum")
     async def http_get_weights_checksum(self, http_request: Request) -> Response:
         try:
-            raw = await read_body(http_request, self.config.max_request_body_bytes, "max_request_body_bytes")
+            raw = await read_body(http_request, self.config)
             body = parse_body(WeightsChecksumRequest, raw or {})
         except RolloutError as error:
             return weights_refusal(error)

@@ -43,7 +43,7 @@ def read(chunks: list[bytes], content_length: int | None, limit: int) -> tuple[o
     received: list[bytes] = []
     try:
         body = request_with_body(chunks, content_length, received)
-        return asyncio.run(read_body(body, limit, "max_request_body_bytes")), received
+        return asyncio.run(read_body(body, RolloutAppConfig(max_request_body_bytes=limit))), received
     except BodyTooLargeError as error:
         return error, received
 
