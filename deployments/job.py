@@ -6,11 +6,20 @@ Connects to the cluster's running rollout application (`--app-name`; it exits at
 the applications that do run, if there is none), sends the prompts in requests of `--prompts-per-request`
 with at most `--max-in-flight` requests outstanding, and writes one safetensors shard per request
 plus `index.json` (see `rollout.dataset`). A progress bar counts samples.
+
+The requests follow from the arguments alone (request r's seed is `--seed` plus the samples before
+it), and the index records the arguments under `job`. A job stopped early (a failed request, Ctrl-C,
+a kill) leaves a dataset of the shards written so far, which loads; `--resume` continues it: the
+shards its index lists and that pass their checks are kept and their requests not sent again, so
+that the dataset ends as an uninterrupted run's would (the same tensors, bit for bit, and records,
+but for their `request_id`). Without `--resume`, an output that holds a dataset is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import time
 from collections import deque
 from pathlib import Path
@@ -19,8 +28,25 @@ import ray
 from tqdm import tqdm
 
 from deployments.client import ApplicationNotFoundError, running_app
-from rollout.dataset import RolloutDatasetWriter
+from rollout.dataset import INDEX_FILE, DatasetFormatError, RolloutDatasetWriter, read_index
+from rollout.errors import clip, short_repr
 from rollout.schema import RolloutRequest
+
+# The recorded arguments that decide the requests, and so the shards: `--resume` continues only a
+# dataset whose index records the same ones.
+REQUEST_ARGUMENTS = (
+    "prompts_sha256",
+    "num_outputs_per_prompt",
+    "num_inference_steps",
+    "sde_type",
+    "noise_level",
+    "seed",
+    "prompts_per_request",
+)
+
+
+class RequestFailedError(RuntimeError):
+    """A request of the job failed, whatever the cause: the job stops, its shards so far written."""
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -29,6 +55,24 @@ def read_prompts(path: Path) -> list[str]:
     if not prompts:
         raise SystemExit(f"{path}: no prompts")
     return prompts
+
+
+def job_requests(prompts: list[str], args: argparse.Namespace) -> list[RolloutRequest]:
+    """The job's requests, which follow from its arguments alone."""
+    per_request = args.prompts_per_request
+    return [
+        RolloutRequest(
+            prompt=prompts[start : start + per_request],
+            num_outputs_per_prompt=args.num_outputs_per_prompt,
+            num_inference_steps=args.num_inference_steps,
+            rollout_sde_type=args.sde_type,
+            rollout_noise_level=args.noise_level,
+            rollout_debug_mode=False,  # the shards keep no debug tensors
+            rollout_return_dit_trajectory=True,  # but every latent
+            seed=args.seed + start * args.num_outputs_per_prompt,
+        )
+        for start in range(0, len(prompts), per_request)
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,48 +87,85 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="base seed; request r starts where request r-1 ended")
     parser.add_argument("--prompts-per-request", type=int, default=8)
     parser.add_argument("--max-in-flight", type=int, default=4)
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the dataset in --output, written with the same arguments"
+    )
     args = parser.parse_args(argv)
 
     prompts = read_prompts(args.prompts)
+    requests = job_requests(prompts, args)
+    arguments = {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()}
+    arguments["prompts_sha256"] = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    _check_output(args.output, args.resume, arguments)
     ray.init(address="auto", ignore_reinit_error=True)
     try:
         handle = running_app(args.app_name)
     except ApplicationNotFoundError as error:
         raise SystemExit(str(error)) from None
 
-    per_request = args.prompts_per_request
-    requests = [
-        RolloutRequest(
-            prompt=prompts[start : start + per_request],
-            num_outputs_per_prompt=args.num_outputs_per_prompt,
-            num_inference_steps=args.num_inference_steps,
-            rollout_sde_type=args.sde_type,
-            rollout_noise_level=args.noise_level,
-            rollout_debug_mode=False,  # the shards keep no debug tensors
-            rollout_return_dit_trajectory=True,  # but every latent
-            seed=args.seed + start * args.num_outputs_per_prompt,
-        )
-        for start in range(0, len(prompts), per_request)
-    ]
-    total = len(prompts) * args.num_outputs_per_prompt
+    writer = RolloutDatasetWriter(args.output, {"app_name": args.app_name, "job": arguments}, resume=args.resume)
+    kept_shards, kept_samples = len(writer.shards), len(writer.samples)
+    if writer.damaged_on_resume is not None:
+        print(f"{writer.damaged_on_resume}; sampling it and the shards after it again")
+    if args.resume:
+        print(f"resuming {args.output}: {kept_shards} of {len(requests)} shards are written")
     start_time = time.perf_counter()
     in_flight: deque = deque()
-    with RolloutDatasetWriter(args.output, {"app_name": args.app_name}) as writer, tqdm(
-        total=total, unit="sample", desc="rollouts"
-    ) as progress:
-        for number, request in enumerate(requests):
-            in_flight.append((number, handle.generate.remote(request)))
-            if len(in_flight) >= args.max_in_flight:
+    total = len(prompts) * args.num_outputs_per_prompt
+    with writer, tqdm(total=total, initial=kept_samples, unit="sample", desc="rollouts") as progress:
+        try:
+            for number in range(kept_shards, len(requests)):
+                in_flight.append((number, handle.generate.remote(requests[number])))
+                if len(in_flight) >= args.max_in_flight:
+                    _write(writer, *in_flight.popleft(), args.prompts_per_request, progress)
+            while in_flight:
                 _write(writer, *in_flight.popleft(), args.prompts_per_request, progress)
-        while in_flight:
-            _write(writer, *in_flight.popleft(), args.prompts_per_request, progress)
+        except (RequestFailedError, KeyboardInterrupt) as stop:
+            reason = str(stop) if isinstance(stop, RequestFailedError) else "interrupted"
+            raise SystemExit(
+                f"{reason}; {args.output} holds {len(writer.shards)} of {len(requests)} shards "
+                f"({len(writer.samples)} samples), a dataset that loads: run the job again with --resume to continue it"
+            ) from None
     elapsed = time.perf_counter() - start_time
-    print(f"wrote {total} samples in {len(requests)} shards to {args.output} in {elapsed:.1f} s")
+    kept = f", after the {kept_shards} shards kept from an earlier run" if kept_shards else ""
+    print(
+        f"wrote {len(writer.samples) - kept_samples} samples in {len(writer.shards) - kept_shards} shards "
+        f"to {args.output} in {elapsed:.1f} s{kept}"
+    )
+
+
+def _check_output(output: Path, resume: bool, arguments: dict) -> None:
+    """Refuses an output that holds a dataset, unless `--resume` and its requests are these arguments'."""
+    if not (output / INDEX_FILE).exists():
+        return
+    if not resume:
+        raise SystemExit(f"{output} holds a dataset already: pass --resume to continue it, or choose another --output")
+    try:
+        recorded = read_index(output).get("job", {})
+    except DatasetFormatError as error:
+        raise SystemExit(f"cannot --resume: {error}") from None
+    if not recorded:
+        raise SystemExit(f"cannot --resume {output}: its index records no job arguments; choose another --output")
+    differing = [name for name in REQUEST_ARGUMENTS if recorded.get(name) != arguments[name]]
+    if differing:
+        changes = ", ".join(
+            "--prompts: other prompts"
+            if name == "prompts_sha256"
+            else f"--{name.replace('_', '-')} {short_repr(arguments[name])}, not {short_repr(recorded.get(name))}"
+            for name in differing
+        )
+        raise SystemExit(
+            f"cannot --resume {output}: its index records other requests ({changes}); "
+            "pass the arguments it was written with, or choose another --output"
+        )
 
 
 def _write(writer: RolloutDatasetWriter, number: int, response, prompts_per_request: int, progress: tqdm) -> None:
-    result = response.result()
-    batch = result.batch()
+    try:
+        result = response.result()
+        batch = result.batch()
+    except Exception as error:  # the job stops at its first failed request, whatever failed it
+        raise RequestFailedError(f"request {number} failed: {clip(f'{type(error).__name__}: {error}', 300)}") from error
     records = [
         {
             "request_id": result.request_id,
