@@ -1,6 +1,13 @@
 """Weight updates of a pipeline in one process: full weights and LoRA, from disk and memory."""
 
+import concurrent.futures
 import copy
+import json
+import os
+import re
+import resource
+import struct
+import time
 
 import pytest
 import torch
@@ -20,6 +27,7 @@ from rollout.weights import (
     served_adapter,
     tensor_update,
     weights_checksum,
+    weights_layout,
 )
 
 PROMPTS, SEEDS = ["3", "8", "a handwritten 5"], [11, 12, 13]
@@ -165,7 +173,7 @@ def test_bad_lora_updates_name_the_cause(pipeline, kwargs, cause):
 def test_disk_checkpoints_in_every_layout(pipeline, tmp_path):
     trained = copy.deepcopy(pipeline)
     apply_update(trained.weight_modules, tensor_update(perturbed_state_dict(trained.transformer)))
-    names = list(pipeline.weight_modules)
+    names = weights_layout(pipeline.weight_modules)  # as the coordinator reads them: headers checked first
 
     # 1. The embedded model's packaged layout (transformer/ in diffusers' layout, prompt_encoder.safetensors).
     trained.save_pretrained(tmp_path / "checkpoint", weights_dtype=torch.float32)
@@ -202,12 +210,254 @@ def test_bad_disk_checkpoints_name_the_cause(pipeline, tmp_path):
         disk_update(tmp_path / "checkpoint", names)
     weights_file = tmp_path / "checkpoint" / "transformer" / "diffusion_pytorch_model.safetensors"
     weights_file.write_bytes(weights_file.read_bytes()[:1000])  # a partial file
-    with pytest.raises(WeightUpdateError, match="cannot read"):
+    with pytest.raises(WeightUpdateError, match="is not a safetensors file"):
         disk_update(tmp_path / "checkpoint", names, target_modules=["transformer"])
-    with pytest.raises(WeightUpdateError, match="does not exist"):
+    with pytest.raises(WeightUpdateError, match="does not exist, cannot be read"):
         disk_update(tmp_path / "nowhere", names)
     with pytest.raises(WeightUpdateError, match="outside the allowed weight paths"):
         disk_update(tmp_path / "checkpoint", names, allowed_roots=[tmp_path / "trusted"])
     with pytest.raises(WeightUpdateError, match="no such modules"):
         disk_update(tmp_path / "checkpoint", names, target_modules=["vae"])
     assert checksums(pipeline) == before
+
+
+# Reading checkpoints safely ----------------------------------------------------------------------
+
+
+def write_safetensors(path, header, header_bytes=None, data_bytes=None):
+    """A safetensors file written by hand, its data a hole (a sparse file: nothing is written)."""
+    raw = json.dumps(header).encode()
+    if data_bytes is None:
+        data_bytes = max(entry["data_offsets"][1] for entry in header.values())
+    path.write_bytes(struct.pack("<Q", len(raw) if header_bytes is None else header_bytes) + raw)
+    os.truncate(path, 8 + len(raw) + data_bytes)
+    return path
+
+
+def refusal_within(seconds, call, fifo):
+    """The `WeightUpdateError` `call` raises, failing the test if it takes over `seconds`."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(call)
+        try:
+            error = future.exception(timeout=seconds)
+        except concurrent.futures.TimeoutError:
+            os.close(os.open(fifo, os.O_RDWR))  # releases the open it hangs in, so that the suite goes on
+            pytest.fail(f"reading a checkpoint with a FIFO in it took over {seconds} s")
+    assert isinstance(error, WeightUpdateError), error
+    return error
+
+
+def test_a_fifo_is_refused_at_once(pipeline, tmp_path):
+    names = weights_layout(pipeline.weight_modules)
+    pipeline.save_pretrained(tmp_path / "checkpoint", weights_dtype=torch.float32)
+    fifo = tmp_path / "checkpoint" / "transformer" / "diffusion_pytorch_model.safetensors"
+    fifo.unlink()
+    os.mkfifo(fifo)  # opening it for reading waits for a writer, unless opened without blocking
+    for path in (tmp_path / "checkpoint", fifo):
+        start = time.monotonic()
+        error = refusal_within(5, lambda path=path: disk_update(path, names), fifo)
+        assert time.monotonic() - start < 1
+        assert "does not exist, cannot be read, or is not a regular file or directory" in str(error)
+
+
+def test_symlinks_out_of_the_allowed_roots_are_refused_without_naming_their_target(pipeline, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # short relative paths: a refusal names them whole
+    names = weights_layout(pipeline.weight_modules)
+    pipeline.save_pretrained("trusted/checkpoint", weights_dtype=torch.float32)
+    pipeline.save_pretrained("elsewhere/secret-target", weights_dtype=torch.float32)
+    module_file = tmp_path / "trusted/checkpoint/transformer/diffusion_pytorch_model.safetensors"
+    module_file.unlink()
+    module_file.symlink_to(tmp_path / "elsewhere/secret-target/transformer/diffusion_pytorch_model.safetensors")
+    (tmp_path / "trusted/passwd.safetensors").symlink_to("/etc/passwd")
+    (tmp_path / "trusted/inside.safetensors").symlink_to(tmp_path / "trusted/checkpoint/prompt_encoder.safetensors")
+
+    for path in ("trusted/checkpoint", "trusted/passwd.safetensors"):
+        with pytest.raises(WeightUpdateError, match="outside the allowed weight paths") as error:
+            disk_update(path, names, allowed_roots=["trusted"])
+        assert "secret-target" not in str(error.value) and "/etc" not in str(error.value)
+    # Nothing tells an existing path outside the roots from a missing one.
+    messages = set()
+    for path in ("elsewhere/secret-target", "elsewhere/none"):
+        with pytest.raises(WeightUpdateError) as error:
+            disk_update(path, names, allowed_roots=["trusted"])
+        messages.add(str(error.value).replace(path, "<path>"))
+    assert messages == {"model_path: '<path>' is outside the allowed weight paths (allowed_weight_paths)"}
+    # A link that stays inside the roots is followed.
+    update = disk_update("trusted/inside.safetensors", names, ["prompt_encoder"], allowed_roots=["trusted"])
+    assert set(update.state_dicts["prompt_encoder"]) == set(names["prompt_encoder"])
+
+
+def _resident_bytes():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def _bytes_read():
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
+
+
+def test_a_header_that_does_not_fit_the_model_is_refused_before_any_data_is_read(pipeline, tmp_path):
+    gib = 2**30
+    huge = write_safetensors(
+        tmp_path / "transformer.safetensors",
+        {"not_a_weight": {"dtype": "F32", "shape": [gib // 4], "data_offsets": [0, gib]}},
+    )
+    assert huge.stat().st_size > gib and huge.stat().st_blocks * 512 < 2**20  # 1 GiB, a hole
+    resident, read, start = _resident_bytes(), _bytes_read(), time.monotonic()
+    with pytest.raises(
+        WeightUpdateError, match=r"transformer weights: \d+ missing .*, 1 unexpected \['not_a_weight'\]"
+    ):
+        disk_update(huge, weights_layout(pipeline.weight_modules))
+    elapsed, grown, bytes_read = time.monotonic() - start, _resident_bytes() - resident, _bytes_read() - read
+    print(f"refused in {elapsed * 1000:.1f} ms; RSS {grown / 2**20:+.1f} MiB; {bytes_read} bytes read")
+    assert elapsed < 1 and grown < 4 * 2**20 and bytes_read < 2**20
+
+    state_dict = pipeline.transformer.state_dict()
+    name = next(iter(state_dict))
+    save_file({**state_dict, name: torch.zeros(3, 3)}, tmp_path / "wrong-shape.safetensors")
+    with pytest.raises(
+        WeightUpdateError, match=rf"model_path: transformer weights: {re.escape(name)} has shape \(3, 3\)"
+    ):
+        disk_update(tmp_path / "wrong-shape.safetensors", weights_layout(pipeline.weight_modules))
+
+
+def _entry(dtype="F32", shape=(2, 2), offsets=(0, 16)):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
+
+
+@pytest.mark.parametrize(
+    "header,sizes,cause",
+    [
+        ({"a": _entry(offsets=(16, 32))}, {}, "'a' does not start where the tensor before it ends"),
+        ({"a": _entry(), "b": _entry(offsets=(24, 40))}, {}, "'b' does not start where the tensor before it ends"),
+        ({"a": _entry()}, {"data_bytes": 8}, "its tensors take 16 bytes, 8 follow its header"),
+        ({"a": _entry()}, {"data_bytes": 20}, "its tensors take 16 bytes, 20 follow its header"),
+        ({"a": _entry(shape=(2, 3))}, {}, "'a' has 16 bytes of data, its shape and dtype take 24"),
+        ({"a": _entry(dtype="F128")}, {}, "'a' has dtype 'F128', not one of"),
+        ({"a": _entry(shape=(2, -2))}, {}, "'a' has a shape or data offsets that are not counts"),
+        ({"a": _entry(offsets=(16, 0))}, {}, "'a' has a shape or data offsets that are not counts"),
+        ({"a": {"dtype": "F32"}}, {"data_bytes": 16}, "the entry of 'a' is not a dtype, a shape and data offsets"),
+        ({"a": _entry()}, {"header_bytes": 2**40}, "its header is longer than the file"),
+        ({"a": _entry()}, {"header_bytes": 3}, "its header is not JSON"),
+    ],
+    ids=["gap-first", "gap", "short", "trailing", "size", "dtype", "negative", "reversed", "entry", "length", "json"],
+)
+def test_a_header_that_does_not_fit_its_file_is_refused(pipeline, tmp_path, header, sizes, cause):
+    path = write_safetensors(tmp_path / "weights.safetensors", header, **sizes)
+    with pytest.raises(WeightUpdateError, match="is not a safetensors file") as error:
+        disk_update(path, list(pipeline.weight_modules))
+    assert cause in str(error.value)
+
+
+def test_duplicate_names_in_a_header_are_refused(pipeline, tmp_path):
+    path = write_safetensors(tmp_path / "weights.safetensors", {"a": _entry()})
+    path.write_bytes(path.read_bytes().replace(b'{"a": ', b'{"a": {}, "a": ', 1))
+    with pytest.raises(WeightUpdateError, match="is not a safetensors file: its header is not JSON"):
+        disk_update(path, list(pipeline.weight_modules))
+
+
+def _non_finite(state_dict, value, dtype=None):
+    name = next(iter(state_dict))
+    tensor = state_dict[name].to(dtype or state_dict[name].dtype).clone()
+    tensor.view(-1)[3] = value
+    return name, {**state_dict, name: tensor}
+
+
+@pytest.mark.parametrize(
+    "value,dtype",
+    [(float("nan"), None), (float("inf"), None), (-float("inf"), None), (1e300, torch.float64)],
+    ids=["nan", "inf", "-inf", "float64-overflow"],
+)
+def test_non_finite_weights_are_refused_naming_the_tensor(pipeline, value, dtype):
+    before = checksums(pipeline)
+    name, state_dict = _non_finite(perturbed_state_dict(pipeline.transformer), value, dtype)
+    with pytest.raises(WeightUpdateError, match=rf"transformer weights: {re.escape(name)} has NaN or infinite values"):
+        apply_update(pipeline.weight_modules, tensor_update(state_dict))
+    assert checksums(pipeline) == before
+    if dtype is torch.float64:  # finite as float64: a float64 model takes it, only the cast to float32 overflows
+        apply_update({"transformer": copy.deepcopy(pipeline.transformer).double()}, tensor_update(state_dict))
+
+
+def test_a_weight_the_model_holds_non_finite_may_stay_so(pipeline):
+    state_dict = perturbed_state_dict(pipeline.transformer)
+    name = next(iter(state_dict))
+    with torch.no_grad():
+        base_weights(pipeline.transformer)[name].view(-1)[0] = -float("inf")  # as a mask buffer would be
+    state_dict[name].view(-1)[0] = -float("inf")
+    apply_update(pipeline.weight_modules, tensor_update(state_dict))
+
+
+@pytest.mark.parametrize(
+    "change,field,cause",
+    [
+        (lambda tensors: {**tensors, "alpha": float("inf")}, "lora_alpha", "must be finite and > 0, got inf"),
+        (lambda tensors: {**tensors, "alpha": float("nan")}, "lora_alpha", "must be finite and > 0, got nan"),
+        (lambda tensors: {**tensors, "alpha": 1e300}, "lora_alpha", "lora_alpha / lora_rank = 2.5e+299 is not finite"),
+        (lambda tensors: {**tensors, "rank": 0}, "lora_rank", "must be >= 1"),
+    ],
+    ids=["alpha-inf", "alpha-nan", "alpha-over-rank", "rank"],
+)
+def test_lora_configs_that_would_break_sampling_are_refused(pipeline, change, field, cause):
+    _, adapter_tensors = trained_adapter(pipeline)
+    given = change({"tensors": adapter_tensors, "rank": 4, "alpha": 8.0})
+    update = tensor_update(given["tensors"], lora_rank=given["rank"], lora_alpha=given["alpha"])
+    with pytest.raises(WeightUpdateError, match=f"^{field}: {re.escape(cause)}"):
+        apply_update(pipeline.weight_modules, update)
+    assert served_adapter(pipeline.transformer) is None
+
+
+def test_non_finite_lora_tensors_are_refused_naming_the_tensor(pipeline):
+    _, adapter_tensors = trained_adapter(pipeline)
+    name = min(adapter_tensors)
+    adapter_tensors[name] = adapter_tensors[name].double()
+    adapter_tensors[name].view(-1)[0] = 1e300
+    with pytest.raises(WeightUpdateError, match=rf"transformer LoRA: {re.escape(name)} has NaN or infinite values"):
+        apply_update(pipeline.weight_modules, tensor_update(adapter_tensors, lora_rank=4, lora_alpha=8))
+    assert served_adapter(pipeline.transformer) is None
+
+
+def test_an_adapter_on_disk_is_checked_from_its_header(pipeline, tmp_path):
+    _, adapter_tensors = trained_adapter(pipeline)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file(
+        {"blocks.99.attn.to_q.lora_A.weight": torch.zeros(4, 8), **adapter_tensors},
+        adapter / "adapter_model.safetensors",
+    )
+    (adapter / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    with pytest.raises(WeightUpdateError, match=r"model_path: transformer LoRA: 0 missing \[\], 1 unexpected"):
+        disk_update(adapter, weights_layout(pipeline.weight_modules))
+    save_file(adapter_tensors, adapter / "adapter_model.safetensors")
+    (adapter / "adapter_config.json").write_text('{"r": 4, "lora_alpha": Infinity}')
+    with pytest.raises(WeightUpdateError, match="lora_alpha: must be finite"):
+        disk_update(adapter, weights_layout(pipeline.weight_modules))
+
+
+def test_refusals_do_not_tell_missing_from_unreadable_paths_nor_name_the_process(pipeline, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # short relative paths: a refusal names them whole
+    names = list(pipeline.weight_modules)
+    os.mkfifo("fifo")
+    os.symlink("loop", "loop")
+    with open("file", "wb") as file:
+        file.write(b"x")
+    paths = ["missing", "fifo", "loop", "file/below", "/dev/null"]
+    if os.geteuid() != 0:  # root reads a file of mode 000 anyway
+        with open("secret", "wb") as file:
+            file.write(b"x")
+        os.chmod("secret", 0)
+        paths.append("secret")
+    messages = set()
+    for path in paths:
+        with pytest.raises(WeightUpdateError) as error:
+            disk_update(path, names)
+        messages.add(str(error.value).replace(path, "<path>"))
+    assert messages == {"model_path: '<path>' does not exist, cannot be read, or is not a regular file or directory"}
+
+    for path, cause in [("", "is empty"), (".", "has no safetensors weights"), ("/proc/self/status", "too short")]:
+        with pytest.raises(WeightUpdateError, match=cause) as error:
+            disk_update(path, names)
+        assert str(tmp_path) not in str(error.value) and f"/proc/{os.getpid()}" not in str(error.value)
+    with pytest.raises(WeightUpdateError, match="does not exist") as error:
+        disk_update("/" + "x" * 300_000, names)
+    assert len(str(error.value)) < 300
