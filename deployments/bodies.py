@@ -1,15 +1,29 @@
-"""Reading a request body under its size limit, and parsing it (JSON or msgpack), at no more cost
-than its bytes: the limit is checked against Content-Length before anything is read, and against
-the bytes read while a chunked body streams in."""
+"""Reading a request body, and parsing it (JSON or msgpack), at no more cost than its bytes.
+
+A body is bounded three ways before it is parsed: its size (checked against Content-Length
+before anything is read, and against the bytes read while a chunked body streams in), the time
+its client takes to send it, and how many bodies are being received at once, in all and from one
+client address. Serve's HTTP proxy (uvicorn) streams a body to the ingress as it arrives and has
+no such bounds of its own: 270 clients that sent headers and 11 bytes, then stalled, held every
+one of the ingress's request slots, and port 8000 stopped answering. Refusals close the
+connection. (Clients that stall before their headers are done never reach the ingress; they hold
+a socket of the proxy each and delay no one: `docs/reliability.md`.)
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from deployments.config import RolloutAppConfig
-from rollout.codec import parse_json, parse_msgpack
+from deployments.dispatch import ServiceUnavailableError
+from rollout.codec import from_json, from_msgpack, parse_json, parse_msgpack
 from rollout.errors import FieldError
 
 MSGPACK = "application/msgpack"
@@ -19,17 +33,90 @@ class BodyTooLargeError(FieldError):
     """A request body over its limit in the app config (HTTP 413); refused before the rest is read."""
 
 
-async def read_body(http_request: Request, config: RolloutAppConfig, limit_name: str = "max_request_body_bytes") -> Any:
-    """The body, parsed; raises `BodyTooLargeError` as soon as it is known to be over the app
-    config's `limit_name` bytes, or `CodecError` if it does not parse."""
-    limit = getattr(config, limit_name)
-    too_large = f"larger than the limit of {limit} bytes ({limit_name} in the app config)"
-    declared = http_request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLargeError("body", too_large)
-    body = bytearray()
-    async for chunk in http_request.stream():
-        body += chunk
-        if len(body) > limit:
+class BodyTimeoutError(FieldError):
+    """The client did not send its whole body in time (HTTP 408)."""
+
+
+class BodyIncompleteError(FieldError):
+    """The client went away before sending its whole body (HTTP 400, answered to no one)."""
+
+
+class TooManyBodiesError(ServiceUnavailableError):
+    """As many bodies as the app config allows are being received, in all or from this client (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class BodyKind:
+    """The app config's fields that bound one kind of body, and how its tensors are read."""
+
+    size_field: str
+    timeout_field: str
+    parsers: tuple[Callable[[bytes], Any], Callable[[bytes], Any]]  # (msgpack, JSON)
+
+
+REQUEST_BODY = BodyKind("max_request_body_bytes", "body_timeout_s", (parse_msgpack, parse_json))
+# Tensors decoded as the parser reaches each envelope, into the tensor's own buffer: no tree of
+# their bytes is built first.
+TENSOR_UPDATE_BODY = BodyKind("max_weight_update_body_bytes", "weight_update_body_timeout_s", (from_msgpack, from_json))
+
+
+class BodyReader:
+    """The ingress's body reader: one per ingress replica, which counts the bodies it is receiving."""
+
+    def __init__(self, config: RolloutAppConfig):
+        self.config = config
+        self._receiving: Counter[str] = Counter()  # client address -> bodies being received
+
+    async def read(self, http_request: Request, kind: BodyKind = REQUEST_BODY) -> Any:
+        """The body, parsed. Raises `BodyTooLargeError`, `BodyTimeoutError`, `TooManyBodiesError`,
+        `BodyIncompleteError`, or `CodecError` if it does not parse."""
+        limit = getattr(self.config, kind.size_field)
+        too_large = f"larger than the limit of {limit} bytes ({kind.size_field} in the app config)"
+        declared = http_request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
             raise BodyTooLargeError("body", too_large)
-    return (parse_msgpack if MSGPACK in http_request.headers.get("content-type", "") else parse_json)(body)
+        client = http_request.client.host if http_request.client else ""
+        self._admit(client)
+        self._receiving[client] += 1
+        timeout = getattr(self.config, kind.timeout_field)
+        try:
+            async with asyncio.timeout(timeout):
+                body = await _received(http_request, limit, too_large)
+        except TimeoutError:
+            raise BodyTimeoutError(
+                "body", f"not received within {timeout} s ({kind.timeout_field} in the app config)"
+            ) from None
+        finally:
+            self._receiving[client] -= 1
+            if not self._receiving[client]:
+                del self._receiving[client]
+        parse_msgpack_body, parse_json_body = kind.parsers
+        return (parse_msgpack_body if MSGPACK in http_request.headers.get("content-type", "") else parse_json_body)(
+            body
+        )
+
+    def _admit(self, client: str) -> None:
+        config = self.config
+        if self._receiving.total() >= config.max_unfinished_bodies:
+            limit = (
+                f"{config.max_unfinished_bodies} bodies are being received (max_unfinished_bodies in the app config)"
+            )
+            raise TooManyBodiesError(f"body: {limit}; send it again later")
+        if self._receiving[client] >= config.max_unfinished_bodies_per_client:
+            limit = config.max_unfinished_bodies_per_client
+            raise TooManyBodiesError(
+                f"body: {limit} bodies from this client address are being received "
+                "(max_unfinished_bodies_per_client in the app config); send it again later"
+            )
+
+
+async def _received(http_request: Request, limit: int, too_large: str) -> bytearray:
+    body = bytearray()
+    try:
+        async for chunk in http_request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise BodyTooLargeError("body", too_large)
+    except ClientDisconnect:
+        raise BodyIncompleteError("body", "the client disconnected before sending all of it") from None
+    return body

@@ -115,7 +115,8 @@ class RolloutAppConfig(BaseModel):
     weight_version: str = Field("0", description="Name of the weights served at start; every sample reports its version.")
     allowed_weight_paths: list[str] = Field(
         default_factory=list,
-        description="Directories that weight updates may read checkpoints from; empty: any local path, as SGLang.",
+        description="Directories that weight updates may read checkpoints from: the path and every file read, "
+        "symlinks resolved, must be under one. Empty (the default): any path the server's user can read, as SGLang.",
     )
     weight_update_timeout_s: float = Field(
         600.0, gt=0, description="How long an update waits for every replica before it is undone everywhere."
@@ -190,6 +191,24 @@ class RolloutAppConfig(BaseModel):
     max_weight_update_body_bytes: int = Field(
         1 * 2**30, ge=1, description="Largest body of POST /update_weights_from_tensor (413 beyond)."
     )
+    # Serve's proxy streams a body to the ingress as the client sends it, and a stalled client holds
+    # one of the ingress's `ingress_max_ongoing_requests` slots meanwhile: these bound how long and
+    # how many (docs/reliability.md). A trainer's burst sends its bodies in milliseconds.
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a client may take to send a body, except weight updates from tensors (408 beyond)."
+    )
+    weight_update_body_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds a client may take to send the body of POST /update_weights_from_tensor (408 beyond)."
+    )
+    max_unfinished_bodies: int = Field(
+        128, ge=1, description="Bodies the ingress receives at once; more are refused (503, Retry-After) until one is in."
+    )
+    max_unfinished_bodies_per_client: int = Field(
+        32,
+        ge=1,
+        description="Bodies the ingress receives at once from one client address (behind a reverse proxy, the "
+        "proxy's); more are refused (503, Retry-After).",
+    )
     request_validation: RequestValidation = Field(
         "strict",
         description="strict: refuse unknown request fields and mistyped values (422, naming the field). "
@@ -213,6 +232,15 @@ class RolloutAppConfig(BaseModel):
                 location, message = [*location, head], rest
             value = "" if problem["type"] in ("missing", "value_error") else f", got {short_repr(problem.get('input'))}"
             raise AppConfigError(clip(".".join(location) or "config"), f"{message}{value}") from None
+
+    @model_validator(mode="after")
+    def _slots_left_for_others(self) -> "RolloutAppConfig":
+        if self.max_unfinished_bodies >= self.ingress_max_ongoing_requests:
+            raise ValueError(
+                f"max_unfinished_bodies: must be below ingress_max_ongoing_requests ({self.ingress_max_ongoing_requests}), "
+                "so that clients slow to send their bodies cannot hold every slot of the ingress"
+            )
+        return self
 
     def queued_samples_limit(self) -> int:
         return self.max_queued_samples or 4 * self.num_worker_replicas * self.max_batch_size

@@ -19,7 +19,12 @@ from typing import Any
 import ray
 from fastapi.responses import JSONResponse
 
-from deployments.bodies import BodyTooLargeError
+from deployments.bodies import (
+    BodyIncompleteError,
+    BodyTimeoutError,
+    BodyTooLargeError,
+    TooManyBodiesError,
+)
 from deployments.dispatch import ServiceUnavailableError
 from deployments.memory import MemoryReleasedError
 from deployments.weights import WeightVersionError
@@ -53,6 +58,9 @@ def _json_invalid(error: Exception) -> list[dict[str, Any]]:
 
 ERROR_ANSWERS: dict[type[Exception], ErrorAnswer] = {
     BodyTooLargeError: ErrorAnswer(413),
+    BodyTimeoutError: ErrorAnswer(408),
+    BodyIncompleteError: ErrorAnswer(400),
+    TooManyBodiesError: ErrorAnswer(503, lambda error: f"Service unavailable: {error}", field="body"),
     CodecError: ErrorAnswer(422, _json_invalid, field="body"),
     RequestSchemaError: ErrorAnswer(422, lambda error: error.errors),
     InvalidRequestError: ErrorAnswer(400, lambda error: f"Invalid sampling params: {error}"),
@@ -107,7 +115,14 @@ def internal_error_response(request_id: str) -> JSONResponse:
     return json_error(500, "", message, f"Generation failed: {message}")
 
 
+# Refused before its body was read: the connection is closed rather than read to the end.
+_UNREAD_BODY = (BodyTooLargeError, BodyTimeoutError, BodyIncompleteError, TooManyBodiesError)
+
+
 def _headers(error: Exception) -> dict[str, str] | None:
+    headers = {}
     if isinstance(error, ServiceUnavailableError):
-        return {"Retry-After": str(error.retry_after_s)}
-    return None
+        headers["Retry-After"] = str(error.retry_after_s)
+    if isinstance(error, _UNREAD_BODY):
+        headers["Connection"] = "close"
+    return headers or None

@@ -12,6 +12,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.auth import require_bearer_token
+from deployments.bodies import BodyReader
 from deployments.config import RolloutAppConfig
 from deployments.dispatch import Dispatcher, ServeWorkers
 from deployments.load import outstanding_samples
@@ -37,6 +38,7 @@ class RolloutIngress(*CONCERNS):
         self.worker = worker
         self.coordinator = coordinator
         self.config = config
+        self.bodies = BodyReader(config)
         self.started = int(time.time())
         self.dispatcher = Dispatcher(ServeWorkers(worker), config, outstanding_samples)
         self.worker_status = health.WorkerStatus(asyncio.get_running_loop())

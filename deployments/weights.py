@@ -17,6 +17,7 @@ The coordinator also broadcasts the commands of other concerns that every replic
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,9 +25,10 @@ import ray
 from ray import serve
 
 from deployments.broadcast import Command, CommandLog, Posted, Report
-from rollout.errors import RolloutError
+from rollout.errors import RolloutError, clip
 from rollout.weights import (
     DEFAULT_TARGET_MODULE,
+    TensorLayout,
     WeightUpdate,
     WeightUpdateError,
     apply_update,
@@ -37,6 +39,12 @@ from rollout.weights import (
 
 if TYPE_CHECKING:  # the coordinator's process needs no model code
     from rollout.models.base import RolloutPipeline
+
+logger = logging.getLogger("ray.serve")
+# An answer names every refusing replica with its reason: each reason is a short error already,
+# and these bound what a reason from elsewhere (a crashed command's exception) or their sum adds.
+MAX_REPLICA_MESSAGE_CHARS = 500
+MAX_MESSAGE_CHARS = 1000
 
 
 class WeightVersionError(RolloutError):
@@ -87,6 +95,10 @@ class UpdateResult:
     message: str
     weight_version: str
     failed_replicas: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        # Clipped here, so that no answer or log line echoes a whole value some message holds.
+        object.__setattr__(self, "message", clip(self.message, MAX_MESSAGE_CHARS))
 
 
 # The commands -------------------------------------------------------------------------------
@@ -148,12 +160,16 @@ class WeightCoordinator:
         self.commands = CommandLog(update_timeout_s)
         self.committed: list[_Committed] = []
         self.served: dict[str, str] = {}  # replica -> the version it last reported
-        self.module_names: list[str] = []  # the modules that hold weights, as the replicas name them
+        # The modules that hold weights and their weights' layout, as the replicas name them: what a
+        # checkpoint's headers are checked against before its data is read.
+        self.layouts: dict[str, dict[str, TensorLayout]] = {}
         self._one_at_a_time = asyncio.Lock()
 
     # Worker replicas ---------------------------------------------------------------------------
 
-    async def register(self, replica: str, actor: ray.actor.ActorHandle, module_names: list[str], version: str):
+    async def register(
+        self, replica: str, actor: ray.actor.ActorHandle, layouts: dict[str, dict[str, TensorLayout]], version: str
+    ):
         """A starting replica: returns the commands that bring it to the committed weights, and the
         seq to poll after.
 
@@ -165,7 +181,7 @@ class WeightCoordinator:
         async with self._one_at_a_time:
             if not self.committed and not self.commands.log:
                 self.version = version
-            self.module_names = module_names
+            self.layouts = layouts
             self.served[replica] = version
             last_seq = self.commands.register(replica, actor)
             catch_up = [c.posted for c in self.committed]
@@ -199,11 +215,16 @@ class WeightCoordinator:
                 committed = await self._apply_command(source, version)
             except WeightUpdateError as error:
                 return UpdateResult(False, str(error), self.version)
-            except Exception as error:  # an unreadable checkpoint directory, say: refused, not a crash
-                return UpdateResult(False, f"cannot read the update: {type(error).__name__}: {error}", self.version)
+            except Exception:  # refused, not a crash; its text may hold paths and values, so only the log has it
+                logger.exception("reading a weight update failed")
+                return UpdateResult(False, "cannot read the update; the server log has the details", self.version)
             apply = committed.posted
             reports = await self.commands.broadcast(apply.command, seq=apply.seq)
-            failed = {replica: report.message for replica, report in reports.items() if not report.ok}
+            failed = {
+                replica: clip(report.message, MAX_REPLICA_MESSAGE_CHARS)
+                for replica, report in reports.items()
+                if not report.ok
+            }
             if failed:
                 took = [replica for replica, report in reports.items() if report.ok]
                 await self.commands.broadcast(UndoWeights(apply.seq), only=took)
@@ -228,7 +249,7 @@ class WeightCoordinator:
         version = version or f"update-{seq}"
         if isinstance(source, DiskSource):
             update: WeightUpdate = await asyncio.to_thread(
-                disk_update, source.model_path, self.module_names, source.target_modules, self.allowed_weight_paths
+                disk_update, source.model_path, self.layouts, source.target_modules, self.allowed_weight_paths
             )
             apply = ApplyWeights(seq, version, [ray.put(update)])
             return _Committed(Posted(seq, apply), frozenset(update.state_dicts), frozenset(update.lora))
@@ -284,8 +305,11 @@ class ServedWeights:
 
     def checksum(self, command: ChecksumWeights) -> Report:
         modules = self.pipeline.weight_modules
-        names = command.module_names or list(modules)
-        return Report(True, result={n: weights_checksum(modules[n]) if n in modules else "not_found" for n in names})
+        names = dict.fromkeys(command.module_names or modules)
+        # An unknown name is answered clipped: the answer is never much larger than the request.
+        return Report(
+            True, result={clip(n): weights_checksum(modules[n]) if n in modules else "not_found" for n in names}
+        )
 
     def check_version(self, required_version: str | None) -> None:
         """Raises `WeightVersionError` unless this replica serves `required_version` (None: any)."""

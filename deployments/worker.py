@@ -25,6 +25,7 @@ from rollout.models.registry import load_pipeline, resolve_model
 from rollout.plan import SamplingWork
 from rollout.sampler import micro_batch_size, resolve_options, sample
 from rollout.trajectory import RolloutBatch
+from rollout.weights import weights_layout
 
 logger = logging.getLogger("ray.serve")
 BROKEN_AFTER_FAILED_CALLS = 3
@@ -99,8 +100,8 @@ class RolloutWorker:
 
     async def _register(self):
         actor = ray.get_runtime_context().current_actor
-        modules = list(self.pipeline.weight_modules)
-        return await self._coordinator.register.remote(self.replica, actor, modules, self.weights.version)
+        layouts = weights_layout(self.pipeline.weight_modules)  # the coordinator checks checkpoints' headers with it
+        return await self._coordinator.register.remote(self.replica, actor, layouts, self.weights.version)
 
     async def __del__(self):
         self._queue.stop()
@@ -111,10 +112,11 @@ class RolloutWorker:
 
     def check_health(self) -> None:
         """Serve's periodic check: sampler calls that fail one after the other, whatever the requests,
-        mean a broken pipeline (a device error, weights gone bad). Serve then replaces the replica;
-        meanwhile `/health` stops counting it."""
+        mean a broken pipeline (a device error, weights gone bad). A call that raised counts, and so
+        does one whose every request's samples were NaN or infinite (weights finite but too large to
+        sample with). Serve then replaces the replica; meanwhile `/health` stops counting it."""
         if self._failed_calls_in_a_row >= BROKEN_AFTER_FAILED_CALLS:
-            raise RuntimeError(f"the last {self._failed_calls_in_a_row} sampler calls failed")
+            raise RuntimeError(f"the last {self._failed_calls_in_a_row} sampler calls failed or gave no finite samples")
 
     def info(self) -> dict:
         scheduler = self.pipeline.scheduler
@@ -176,7 +178,6 @@ class RolloutWorker:
             for i in servable:
                 results[i] = error
             return results
-        self._failed_calls_in_a_row = 0
         elapsed = time.perf_counter() - start
         offset = 0
         for i, work in zip(servable, group):
@@ -189,4 +190,6 @@ class RolloutWorker:
                 results[i] = error
                 continue
             results[i] = WorkerResult(part, len(seeds), elapsed, peak_memory_mb, self.replica, self.node_id)
+        served_nothing = all(isinstance(results[i], NonFiniteOutputError) for i in servable)
+        self._failed_calls_in_a_row = self._failed_calls_in_a_row + 1 if served_nothing else 0
         return results

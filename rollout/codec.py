@@ -19,12 +19,14 @@ import binascii
 import json
 import math
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import torch
 
-from rollout.errors import CodecError
+from rollout.errors import CodecError, short_repr
 
 TENSOR_MARKER = "__tensor__"
 _TENSOR_KEY = "t"
@@ -43,7 +45,9 @@ _SAFETENSORS_DTYPES = {
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 _ITEM_SIZES = {name: torch.empty((), dtype=dtype).element_size() for dtype, name in _SAFETENSORS_DTYPES.items()}
 _HEADER_LENGTH_BYTES = 8
-_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+# A one-tensor header is about 100 bytes; safetensors allows 100 MB, which as JSON took 1.6 GB
+# and 3.8 s to refuse. This leaves room for a shape of any rank and some `__metadata__`.
+_MAX_HEADER_BYTES = 64 * 2**10
 
 
 def _safetensors_parts(tensor: torch.Tensor) -> tuple[bytes, Any, int]:
@@ -74,8 +78,9 @@ def safetensors_bytes(tensor: torch.Tensor) -> bytes:
     return b"".join((head, data))
 
 
+# Sizes of up to 19 digits (any int64); a longer one is left to the JSON parser, which refuses it.
 _CANONICAL_HEADER = re.compile(
-    rb'\{"' + _TENSOR_KEY.encode() + rb'":\{"dtype":"([A-Z0-9]+)","shape":\[((?:[0-9]+,)*[0-9]+)?\],"data_offsets":\[0,([0-9]+)\]\}\} *'
+    rb'\{"' + _TENSOR_KEY.encode() + rb'":\{"dtype":"([A-Z0-9]+)","shape":\[((?:[0-9]{1,19},)*[0-9]{1,19})?\],"data_offsets":\[0,([0-9]{1,19})\]\}\} *'
 )
 
 
@@ -159,9 +164,10 @@ def decode_tensor(envelope: dict[str, Any]) -> torch.Tensor:
     if not isinstance(data, (bytes, bytearray)):
         raise CodecError(f"tensor envelope: data must be bytes or base64 text, got {type(data).__name__}")
     tensor = tensor_from_safetensors(data)
-    if list(tensor.shape) != list(envelope.get("shape", [])) or str(tensor.dtype) != envelope.get("dtype"):
+    declared_shape, declared_dtype = envelope.get("shape"), envelope.get("dtype")
+    if declared_shape != list(tensor.shape) or declared_dtype != str(tensor.dtype):
         raise CodecError(
-            f"tensor envelope declares shape {envelope.get('shape')} and dtype {envelope.get('dtype')}, "
+            f"tensor envelope declares shape {short_repr(declared_shape)} and dtype {short_repr(declared_dtype)}, "
             f"but holds {list(tensor.shape)} {tensor.dtype}"
         )
     return tensor
@@ -276,6 +282,61 @@ _TOO_DEEP = f"body nests maps and lists deeper than {MAX_NESTING_DEPTH} levels"
 _CONTAINERS = {dict, list}  # the types the parsers build maps and arrays as
 
 
+@dataclass(frozen=True)
+class DecodeBudget:
+    """The most maps and lists (`containers`) and the most items in them (`elements`, a map's
+    entry counting once) that a body may decode into, checked while it is decoded.
+
+    A map or a list costs 60 to 100 bytes of Python objects and an item at least a pointer, for as
+    little as one byte of msgpack: a 1 MiB body of a million empty maps took 1 GB and 4.6 s to
+    refuse. What this server reads spends far more bytes on each (a tensor envelope is a map of
+    four items around a safetensors file; a request has a handful of lists), so a budget in
+    proportion to the body's size refuses only bodies built to expand.
+    """
+
+    containers: int
+    elements: int
+
+    @classmethod
+    def for_body(cls, num_bytes: int) -> "DecodeBudget":
+        return cls(_BASE_BUDGET + num_bytes // _BYTES_PER_CONTAINER, _BASE_BUDGET + num_bytes // _BYTES_PER_ELEMENT)
+
+    def refusal(self) -> CodecError:
+        return CodecError(
+            f"body decodes into more than {self.containers} maps and lists or {self.elements} items in them, "
+            "the most its size allows"
+        )
+
+
+_BASE_BUDGET = 4096
+_BYTES_PER_CONTAINER = 32
+_BYTES_PER_ELEMENT = 8
+
+
+class _Spending:
+    """The hooks the msgpack decoder calls for each list and map it builds, innermost first: they
+    count them against the budget and stop the decoder as soon as it is spent."""
+
+    def __init__(self, budget: DecodeBudget, object_hook: Callable[[dict], Any] | None):
+        self.budget = budget
+        self.containers_left, self.elements_left = budget.containers, budget.elements
+        self.map_hook = object_hook
+
+    def _spend(self, items: int) -> None:
+        self.containers_left -= 1
+        self.elements_left -= items
+        if self.containers_left < 0 or self.elements_left < 0:
+            raise self.budget.refusal()
+
+    def list_hook(self, items: list) -> list:
+        self._spend(len(items))
+        return items
+
+    def object_hook(self, mapping: dict) -> Any:
+        self._spend(len(mapping))
+        return mapping if self.map_hook is None else self.map_hook(mapping)
+
+
 def _within_depth(value: Any) -> Any:
     """`value`, if its maps and lists nest at most `MAX_NESTING_DEPTH` deep; one pass, level by level."""
     level = [value] if type(value) in _CONTAINERS else []
@@ -292,10 +353,16 @@ def _within_depth(value: Any) -> Any:
     return value
 
 
-def parse_msgpack(body: bytes, object_hook=None) -> Any:
-    """A msgpack body as plain values; tensor envelopes stay maps (request bodies carry none)."""
+def parse_msgpack(body: bytes, object_hook: Callable[[dict], Any] | None = None) -> Any:
+    """A msgpack body as plain values; tensor envelopes stay maps (request bodies carry none).
+
+    Raises `CodecError` if it does not parse, nests too deep or outgrows its `DecodeBudget`.
+    """
+    spending = _Spending(DecodeBudget.for_body(len(body)), object_hook)
     try:
-        value = msgpack.unpackb(body, raw=False, strict_map_key=True, object_hook=object_hook)
+        value = msgpack.unpackb(
+            body, raw=False, strict_map_key=True, object_hook=spending.object_hook, list_hook=spending.list_hook
+        )
     except CodecError:
         raise
     except msgpack.StackError:
@@ -311,6 +378,7 @@ def _decoded_if_envelope(value: dict) -> Any:
 
 
 def from_msgpack(body: bytes) -> Any:
+    """A msgpack body with its tensor envelopes decoded, each as the decoder reaches it."""
     return parse_msgpack(body, object_hook=_decoded_if_envelope)
 
 
@@ -318,8 +386,32 @@ def to_json(value: Any) -> str:
     return json.dumps(TensorEncoder(binary=False).encode(value))
 
 
-def parse_json(body: str | bytes, object_hook=None) -> Any:
-    """A JSON body as plain values; tensor envelopes stay maps (request bodies carry none)."""
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _json_within_budget(body: bytes | bytearray) -> None:
+    """Raises `CodecError` if the JSON `body` has more maps, lists or items than its budget.
+
+    Python's JSON decoder has no hook for lists, so they are counted in the text before it is
+    decoded, in C: an opening bracket per map or list, a comma between items. Brackets and commas
+    inside strings count too, so only a body over the budget is counted again without its strings.
+    """
+    budget = DecodeBudget.for_body(len(body))
+
+    def over(text: bytes | bytearray) -> bool:
+        containers = text.count(b"[") + text.count(b"{")
+        return containers > budget.containers or containers + text.count(b",") > budget.elements
+
+    if over(body) and over(_JSON_STRING.sub(b"", body)):
+        raise budget.refusal()
+
+
+def parse_json(body: str | bytes, object_hook: Callable[[dict], Any] | None = None) -> Any:
+    """A JSON body as plain values; tensor envelopes stay maps (request bodies carry none).
+
+    Raises `CodecError` if it does not parse, nests too deep or outgrows its `DecodeBudget`.
+    """
+    _json_within_budget(body.encode() if isinstance(body, str) else body)
     try:
         value = json.loads(body, object_hook=object_hook)
     except CodecError:
@@ -332,4 +424,5 @@ def parse_json(body: str | bytes, object_hook=None) -> Any:
 
 
 def from_json(body: str | bytes) -> Any:
+    """A JSON body with its tensor envelopes decoded, each as the decoder reaches it."""
     return parse_json(body, object_hook=_decoded_if_envelope)

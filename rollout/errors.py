@@ -16,6 +16,7 @@ _EXCERPT.maxstring = _EXCERPT.maxother = 80
 # message twice (`error` and `detail`) and stays under 2 KB.
 _MAX_FIELD_CHARS = 100
 _MAX_REASON_CHARS = 500
+_MAX_MESSAGE_CHARS = _MAX_FIELD_CHARS + _MAX_REASON_CHARS + 100
 
 
 def short_repr(value) -> str:
@@ -36,7 +37,11 @@ def clip(text: str, limit: int = _MAX_FIELD_CHARS) -> str:
 
 
 class RolloutError(Exception):
-    """Base class of every error this library raises on purpose."""
+    """Base class of every error this library raises on purpose; its message is clipped, so that
+    no raiser can echo a whole value into a response or a log line."""
+
+    def __init__(self, *args):
+        super().__init__(*(clip(arg, _MAX_MESSAGE_CHARS) if isinstance(arg, str) else arg for arg in args))
 
 
 class FieldError(RolloutError, ValueError):

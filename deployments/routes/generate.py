@@ -1,6 +1,6 @@
 """Sampling: SGLang's `POST /rollout/generate`, and the handle's `generate` and `stop_serving`.
 
-Needs from the ingress: `config` (`RolloutAppConfig`) and `dispatcher` (`Dispatcher`).
+Needs from the ingress: `config` (`RolloutAppConfig`), `bodies` (`BodyReader`) and `dispatcher` (`Dispatcher`).
 """
 
 import logging
@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from deployments.bodies import MSGPACK, read_body
+from deployments.bodies import MSGPACK
 from deployments.dispatch import RolloutResult, joined_batch
 from deployments.http_errors import (
     error_response,
@@ -52,7 +52,7 @@ class GenerateRoutes:
         start = time.perf_counter()
         plan = None
         try:
-            body = await read_body(http_request, self.config)
+            body = await self.bodies.read(http_request)
             plan = self._plan(body)
             parts = await self.dispatcher.sampled(plan)
             batch = joined_batch(parts)

@@ -3,7 +3,9 @@ worker replica runs), on Serve's port and on the probe port (`deployments/probes
 
 `/health` answers from the last read of the worker replicas' status, renewed in the background
 once it is `HEALTH_TTL_S` old, so that an answer never waits for Serve's controller, however
-loaded. A replica whose pipeline broke fails Serve's health check and stops counting.
+loaded. A replica whose pipeline broke (its sampler calls fail, or give only NaN) fails Serve's
+health check and stops counting; the answer says how many replicas are not running, by state,
+while Serve replaces it.
 
 Needs from the ingress: `config` and `worker_status` (`WorkerStatus`).
 """
@@ -30,7 +32,8 @@ LIVE = {"status": "ok"}
 
 
 class WorkerStatus:
-    """How many worker replicas run, as last read from Serve (None until the first read).
+    """How many worker replicas run, and how many are in each other state (starting, stopping), as
+    last read from Serve (`running` is None until the first read).
 
     Read on the ingress's event loop; the probe thread asks through `renew_from_another_thread`,
     which wakes the loop only when the status is stale.
@@ -38,6 +41,7 @@ class WorkerStatus:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.running: int | None = None
+        self.not_running: dict[str, int] = {}
         self._loop = loop
         self._checked_at = -float("inf")
         self._read: asyncio.Task | None = None
@@ -69,18 +73,25 @@ class WorkerStatus:
             return
         workers = status.applications[serve.get_replica_context().app_name].deployments["RolloutWorker"]
         self.running = workers.replica_states.get(ReplicaState.RUNNING, 0)
+        self.not_running = {
+            ReplicaState(state).value: count
+            for state, count in workers.replica_states.items()
+            if state != ReplicaState.RUNNING and count
+        }
         self._checked_at = time.monotonic()
         self._known.set()
 
 
-def health_answer(running_workers: int | None) -> JSONResponse:
-    if running_workers is None:
+def health_answer(workers: WorkerStatus) -> JSONResponse:
+    # Replicas in other states are named only when there are some (one being replaced, say).
+    not_running = {"worker_replicas_not_running": workers.not_running} if workers.not_running else {}
+    if workers.running is None:
         reason = "the worker replicas' status could not be read yet"
-    elif running_workers == 0:
+    elif workers.running == 0:
         reason = "no worker replica is running"
     else:
-        return JSONResponse({"status": "ok", "worker_replicas_running": running_workers})
-    return JSONResponse(status_code=503, content={"status": "unhealthy", "reason": reason})
+        return JSONResponse({"status": "ok", "worker_replicas_running": workers.running, **not_running})
+    return JSONResponse(status_code=503, content={"status": "unhealthy", "reason": reason, **not_running})
 
 
 class HealthRoutes:
@@ -91,7 +102,7 @@ class HealthRoutes:
     @route("GET", "/health")
     async def health(self) -> Response:
         await self.worker_status.first_read()
-        return health_answer(self.worker_status.running)
+        return health_answer(self.worker_status)
 
     def probe(self, path: str, authorization: str | None) -> Response:
         """The probe port's answer, on the probe thread: the same routes, token and status as
@@ -104,4 +115,4 @@ class HealthRoutes:
         if path != "/health":
             return json_error(404, "path", f"the probe port answers /health and /liveness, not {clip(path)}", "Not Found")
         self.worker_status.renew_from_another_thread()
-        return health_answer(self.worker_status.running)
+        return health_answer(self.worker_status)

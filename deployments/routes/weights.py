@@ -1,7 +1,7 @@
 """Weights: SGLang's `/update_weights_from_disk`, `/update_weights_from_tensor` and
 `/get_weights_checksum`, and the handle's methods of the same names.
 
-Needs from the ingress: `config` (`RolloutAppConfig`) and `coordinator` (the `WeightCoordinator` handle).
+Needs from the ingress: `bodies` (`BodyReader`) and `coordinator` (the `WeightCoordinator` handle).
 """
 
 import logging
@@ -9,17 +9,18 @@ import logging
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from deployments.bodies import read_body
+from deployments.bodies import TENSOR_UPDATE_BODY
 from deployments.http_errors import weights_refusal
 from deployments.routes import route
 from deployments.weights import (
+    MAX_MESSAGE_CHARS,
     ChecksumWeights,
     DiskSource,
     ObjectStoreTensors,
     TensorSource,
     UpdateResult,
 )
-from rollout.errors import RolloutError, WeightUpdateError
+from rollout.errors import InvalidRequestError, RolloutError, WeightUpdateError, clip
 from rollout.schema import (
     UpdateWeightsFromDiskRequest,
     WeightsChecksumRequest,
@@ -28,6 +29,9 @@ from rollout.schema import (
 )
 
 logger = logging.getLogger("ray.serve")
+# A pipeline has a few modules; a checksum request naming more is not a real one, and its answer
+# (every name, for every replica) would be larger than it.
+MAX_CHECKSUM_MODULE_NAMES = 100
 
 
 class WeightRoutes:
@@ -57,18 +61,19 @@ class WeightRoutes:
 
     async def get_weights_checksum(self, module_names: list[str] | None = None) -> dict[str, dict[str, str]]:
         """Handle API: per replica, the SHA-256 of each module's weights (`rollout.weights.weights_checksum`)."""
+        _check_module_names(module_names)
         reports = await self.coordinator.broadcast_command.remote(ChecksumWeights(module_names))
         return {replica: report.result for replica, report in reports.items()}
 
     async def _update(self, source: DiskSource | TensorSource, weight_version: str | None) -> UpdateResult:
         result = await self.coordinator.update.remote(source, weight_version)
-        logger.info("weight update: %s", result.message)
+        logger.info("weight update: %s", clip(result.message, MAX_MESSAGE_CHARS))  # one short line, whatever answered
         return result
 
     @route("POST", "/update_weights_from_disk")
     async def http_update_weights_from_disk(self, http_request: Request) -> Response:
         try:
-            raw = await read_body(http_request, self.config)
+            raw = await self.bodies.read(http_request)
             body = parse_body(UpdateWeightsFromDiskRequest, raw)
         except RolloutError as error:
             return weights_refusal(error)
@@ -78,7 +83,7 @@ class WeightRoutes:
     @route("POST", "/update_weights_from_tensor")
     async def http_update_weights_from_tensor(self, http_request: Request) -> Response:
         try:
-            raw = await read_body(http_request, self.config, "max_weight_update_body_bytes")
+            raw = await self.bodies.read(http_request, TENSOR_UPDATE_BODY)
             body = parse_tensor_update(raw)
         except RolloutError as error:
             return weights_refusal(error)
@@ -88,8 +93,9 @@ class WeightRoutes:
     @route("POST", "/get_weights_checksum")
     async def http_get_weights_checksum(self, http_request: Request) -> Response:
         try:
-            raw = await read_body(http_request, self.config)
+            raw = await self.bodies.read(http_request)
             body = parse_body(WeightsChecksumRequest, raw or {})
+            _check_module_names(body.module_names)
         except RolloutError as error:
             return weights_refusal(error)
         per_replica = await self.get_weights_checksum(body.module_names)
@@ -99,6 +105,14 @@ class WeightRoutes:
             values = {checksums.get(name) for checksums in per_replica.values()}
             agreed[name] = values.pop() if len(values) == 1 else "inconsistent"
         return JSONResponse({**agreed, "replicas": per_replica})
+
+
+def _check_module_names(module_names: list[str] | None) -> None:
+    if module_names is not None and len(module_names) > MAX_CHECKSUM_MODULE_NAMES:
+        limit = MAX_CHECKSUM_MODULE_NAMES
+        raise InvalidRequestError(
+            "module_names", f"at most {limit} names (a pipeline has few), got {len(module_names)}"
+        )
 
 
 def _raise_unless_applied(result: UpdateResult) -> UpdateResult:

@@ -19,6 +19,7 @@ TEST_CONFIG = {
     "max_batch_size": 16,
     # Long enough that concurrent requests reliably meet in one batch on a loaded machine.
     "batch_wait_timeout_s": 0.2,
+    "body_timeout_s": 3.0,  # clients that stall mid-body are answered within a test's patience
     "limits": {
         "max_prompts_per_request": 8,
         "max_outputs_per_prompt": 8,

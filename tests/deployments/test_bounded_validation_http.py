@@ -4,6 +4,7 @@ values that make non-finite outputs, each answered with a small 4xx naming the f
 import asyncio
 import http.client
 import json
+import re
 from urllib.parse import urlparse
 
 import msgpack
@@ -11,7 +12,13 @@ import pytest
 import torch
 from starlette.requests import Request
 
-from deployments.bodies import BodyTooLargeError, read_body
+from deployments.bodies import (
+    BodyIncompleteError,
+    BodyReader,
+    BodyTimeoutError,
+    BodyTooLargeError,
+    TooManyBodiesError,
+)
 from deployments.config import RolloutAppConfig
 from deployments.http_errors import error_response
 from rollout.codec import MAX_NESTING_DEPTH, TensorEncoder
@@ -25,25 +32,31 @@ SMALL_ANSWER = 2_000  # bytes: an error answer never grows with the input
 # The body reader, without a server ----------------------------------------------------------------
 
 
-def request_with_body(chunks: list[bytes], content_length: int | None, received: list[bytes]) -> Request:
+def request_with_body(
+    chunks: list[bytes], content_length: int | None, received: list[bytes], client: str = "127.0.0.1", stalls: bool = False
+) -> Request:
+    """A request whose body arrives in `chunks`, after which its client stalls if `stalls`."""
     headers = [(b"content-type", b"application/json")]
     if content_length is not None:
         headers.append((b"content-length", str(content_length).encode()))
-    messages = [{"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1} for i, chunk in enumerate(chunks)]
+    messages = [{"type": "http.request", "body": chunk, "more_body": stalls or i < len(chunks) - 1} for i, chunk in enumerate(chunks)]
 
     async def receive():
+        if len(received) == len(messages):
+            await asyncio.Event().wait()  # stalls for good
         message = messages[len(received)]
         received.append(message["body"])
         return message
 
-    return Request({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive)
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": headers, "client": (client, 50_000)}
+    return Request(scope, receive)
 
 
 def read(chunks: list[bytes], content_length: int | None, limit: int) -> tuple[object, list[bytes]]:
     received: list[bytes] = []
     try:
         body = request_with_body(chunks, content_length, received)
-        return asyncio.run(read_body(body, RolloutAppConfig(max_request_body_bytes=limit))), received
+        return asyncio.run(BodyReader(RolloutAppConfig(max_request_body_bytes=limit)).read(body)), received
     except BodyTooLargeError as error:
         return error, received
 
@@ -65,6 +78,69 @@ def test_a_body_at_the_limit_is_read_and_parsed():
     body = json.dumps({"prompt": "7", "pad": " " * 900}).encode()
     value, _ = read([body[:500], body[500:]], content_length=None, limit=len(body))
     assert value["prompt"] == "7"
+
+
+def test_a_client_that_stalls_mid_body_is_answered_408_once_its_time_is_up():
+    config = RolloutAppConfig(body_timeout_s=0.05)
+    stalled = request_with_body([b'{"prompt": '] * 2, content_length=None, received=[], stalls=True)
+    with pytest.raises(BodyTimeoutError, match=r"within 0.05 s \(body_timeout_s"):
+        asyncio.run(BodyReader(config).read(stalled))
+
+
+def test_a_client_that_goes_away_mid_body_is_a_400_not_a_500():
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": [], "client": ("10.0.0.1", 1)}, receive)
+    with pytest.raises(BodyIncompleteError, match="disconnected"):
+        asyncio.run(BodyReader(RolloutAppConfig()).read(request))
+
+
+def test_bodies_being_received_are_bounded_per_client_and_in_all_and_freed_when_they_end():
+    config = RolloutAppConfig(
+        body_timeout_s=0.2, max_unfinished_bodies=4, max_unfinished_bodies_per_client=2, ingress_max_ongoing_requests=8
+    )
+    reader = BodyReader(config)
+
+    def stalled(client: str) -> Request:
+        return request_with_body([b"[1,"] * 2, content_length=None, received=[], client=client, stalls=True)
+
+    async def refusal(client: str) -> str:
+        with pytest.raises(TooManyBodiesError) as caught:
+            await reader.read(stalled(client))
+        return str(caught.value)
+
+    async def scenario() -> tuple:
+        receiving = [asyncio.create_task(reader.read(stalled(client))) for client in ("a", "a", "b")]
+        await asyncio.sleep(0.05)
+        per_client = await refusal("a")  # its 2 of 2; 3 of 4 in all
+        receiving.append(asyncio.create_task(reader.read(stalled("c"))))
+        await asyncio.sleep(0.05)
+        in_all = await refusal("d")  # 4 of 4 in all
+        outcomes = await asyncio.gather(*receiving, return_exceptions=True)
+        # Their time is up: each is a 408, and their places are free again.
+        complete = request_with_body([b"[1]"], content_length=None, received=[], client="a")
+        return per_client, in_all, outcomes, await reader.read(complete)
+
+    per_client, in_all, outcomes, value = asyncio.run(scenario())
+    assert "2 bodies from this client address are being received (max_unfinished_bodies_per_client" in per_client
+    assert "4 bodies are being received (max_unfinished_bodies in the app config)" in in_all
+    assert [type(outcome) for outcome in outcomes] == [BodyTimeoutError] * 4
+    assert value == [1] and not reader._receiving
+
+
+def test_refusals_before_the_body_is_read_close_the_connection():
+    for error in (BodyTooLargeError("body", "x"), BodyTimeoutError("body", "x"), TooManyBodiesError("body: x")):
+        response = error_response(error)
+        assert response.headers["connection"] == "close" and json.loads(response.body)["error"]["field"] == "body"
+        assert response.status_code == {BodyTooLargeError: 413, BodyTimeoutError: 408, TooManyBodiesError: 503}[type(error)]
+
+
+def test_a_body_slot_limit_at_or_above_the_ingress_slots_is_refused_when_configured():
+    from deployments.config import AppConfigError
+
+    with pytest.raises(AppConfigError, match="max_unfinished_bodies: must be below ingress_max_ongoing_requests"):
+        RolloutAppConfig.parse({"max_unfinished_bodies": 256})
 
 
 def test_a_non_finite_output_is_a_500_whose_body_names_no_internals():
@@ -91,6 +167,44 @@ def post_declaring(base_url: str, path: str, content_length: int) -> tuple[int, 
         return response.status, json.loads(response.read())
     finally:
         connection.close()
+
+
+def stalled_connections(base_url: str, path: str, count: int, client: str) -> list[http.client.HTTPConnection]:
+    """`count` POSTs from the address `client` (on loopback, any 127.x.y.z) that send their headers
+    and 11 bytes of a 1,000-byte body, then stall."""
+    url = urlparse(base_url)
+    connections = []
+    for _ in range(count):
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60, source_address=(client, 0))
+        connection.putrequest("POST", path)
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", "1000")
+        connection.endheaders(b'{"prompt": ')
+        connections.append(connection)
+    return connections
+
+
+def test_clients_stalled_mid_body_are_bounded_and_the_port_keeps_answering(http, base_url, app_config):
+    config = RolloutAppConfig.parse(app_config)
+    extra = 6
+    count = config.max_unfinished_bodies_per_client + extra
+    connections = stalled_connections(base_url, "/rollout/generate", count, client="127.0.0.2")
+    try:  # other clients are served meanwhile
+        assert http.get(f"{base_url}/liveness", timeout=30).json() == {"status": "ok"}
+        assert http.post(f"{base_url}/rollout/generate", json={"prompt": "7", "num_inference_steps": 2}).status_code == 200
+        answers = []
+        for connection in connections:
+            response = connection.getresponse()
+            answers.append((response.status, response.getheader("connection"), json.loads(response.read())["error"]))
+    finally:
+        for connection in connections:
+            connection.close()
+    statuses = sorted(status for status, _, _ in answers)
+    # Beyond the limit, refused at once; the others, once body_timeout_s is up. Each one closed.
+    assert statuses == [408] * config.max_unfinished_bodies_per_client + [503] * extra
+    assert {closing for _, closing, _ in answers} == {"close"}
+    assert {error["field"] for _, _, error in answers} == {"body"}
+    assert http.get(f"{base_url}/health", timeout=30).status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -144,7 +258,9 @@ def test_deep_bodies_are_a_422_and_never_a_500(http, base_url, content_type):
             raw = msgpack.packb({"prompt": "7", "extra_sampling_params": {"seed": 0}})[:-1] + b"\x91" * depth + b"\x00"
         response = http.post(f"{base_url}/rollout/generate", data=raw, headers={"Content-Type": content_type})
         assert response.status_code == 422, (depth, response.text)
-        assert f"deeper than {MAX_NESTING_DEPTH} levels" in response.json()["error"]["message"]
+        # JSON 100,000 deep is also more lists than its 200 KB may hold, counted before it is parsed.
+        refusal = f"deeper than {MAX_NESTING_DEPTH} levels|more than [0-9]+ maps and lists"
+        assert re.search(refusal, response.json()["error"]["message"])
     # The weight routes parse the same way (and then walk the value recursively), with the same status.
     raw = b"[" * 900 + b"]" * 900
     response = http.post(f"{base_url}/update_weights_from_tensor", data=raw, headers={"Content-Type": "application/json"})
@@ -191,9 +307,13 @@ def test_values_that_would_make_non_finite_outputs_are_a_400_naming_the_limit(ht
 
 
 def test_a_long_step_list_is_refused_and_health_stays_responsive(http, base_url):
-    body = {"prompt": "7", "num_inference_steps": 20, "rollout_return_step_indices": [0] * 150_000}
     # Refused by its length (benchmarks.reliability times it: 12.8 s once, with the ingress's event
     # loop blocked throughout); the server goes on answering.
+    body = {"prompt": "7", "num_inference_steps": 20, "rollout_return_step_indices": [0] * 5_000}
     response = http.post(f"{base_url}/rollout/generate", json=body)
     assert response.status_code == 400 and "at most 21 entries" in response.json()["error"]["message"]
+    # 150,000 items in 300 KB are more than a body of that size may decode into: refused as it is parsed.
+    body["rollout_return_step_indices"] = [0] * 150_000
+    response = http.post(f"{base_url}/rollout/generate", json=body)
+    assert response.status_code == 422 and "items in them, the most its size allows" in response.json()["error"]["message"]
     assert http.get(f"{base_url}/health").status_code == 200

@@ -10,11 +10,14 @@ from http.client import HTTPConnection
 from urllib.parse import urlparse
 
 import pytest
+import ray
 import requests
 from ray import serve
 
 from benchmarks.reliability import ctrl_c, stop_with_requests_in_flight, terminate
-from rollout.errors import NonFiniteOutputError
+from deployments.weights import ObjectStoreTensors
+from rollout.errors import NonFiniteOutputError, WeightUpdateError
+from rollout.models.registry import load_pipeline
 from tests.deployments.apps import deploy
 from tests.deployments.replicas import on_replicas, pids, request_body
 
@@ -51,7 +54,7 @@ def test_non_finite_samples_are_never_served_as_a_success(one_worker, http):
         assert "NaN or infinite values in" in error["message"] and "Traceback" not in response.text
         with pytest.raises(NonFiniteOutputError, match="NaN or infinite values in"):
             one_worker.handle.generate.remote(request_body(1)).result().batch()
-        # Not a broken pipeline: the sampler ran, so the replica stays and /health stays 200.
+        # Two calls: fewer in a row than make a broken pipeline, so the replica stays and /health stays 200.
         assert http.get(f"{one_worker.url}/health").status_code == 200
     finally:
         on_replicas(one_worker.name, "RolloutWorker", lambda worker: vars(worker.pipeline).pop("predict_velocity"))
@@ -73,6 +76,42 @@ def test_a_broken_pipeline_is_unhealthy_until_serve_replaces_its_replica(one_wor
     _health_until(one_worker, 503)
     for url in (one_worker.url, one_worker.probe_url):
         assert http.get(f"{url}/health").json()["reason"] == "no worker replica is running"
+    _health_until(one_worker, 200)
+    assert pids(one_worker.name, "RolloutWorker") != [broken_pid]
+    assert http.post(f"{one_worker.url}/rollout/generate", json=request_body(1)).status_code == 200
+
+
+def _serve_until_applied(app, state_dict: dict, version: str, timeout_s: float = 120.0) -> None:
+    """Serves `state_dict` on every replica, again until it is applied (no replica may be
+    registered while one is being replaced)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            app.handle.update_weights_from_tensor.remote(ObjectStoreTensors(ray.put(state_dict)), version).result()
+            return
+        except WeightUpdateError:
+            assert time.monotonic() < deadline, f"{version} was never applied"
+            time.sleep(0.5)
+
+
+def test_weights_too_large_to_sample_with_make_the_replica_unhealthy_until_replaced(one_worker, http):
+    """Finite weights, so the update is taken, but too large to sample with: every sample is NaN.
+    The replica counts as broken and is replaced; once the weights are restored, it serves again."""
+    served = load_pipeline().transformer.state_dict()
+    (broken_pid,) = pids(one_worker.name, "RolloutWorker")
+    _serve_until_applied(one_worker, {name: tensor * 1e20 for name, tensor in served.items()}, "too-large")
+    try:
+        for i in range(3):  # BROKEN_AFTER_FAILED_CALLS sampler calls in a row give no finite sample
+            response = http.post(f"{one_worker.url}/rollout/generate", json=request_body(i))
+            assert response.status_code == 500 and "NaN or infinite values" in response.json()["error"]["message"]
+    finally:  # the replica that replaces it catches up with the weights last served: restore them
+        _serve_until_applied(one_worker, served, "test-v1")
+    start = time.monotonic()
+    while (response := http.get(f"{one_worker.url}/health")).status_code != 503:
+        assert time.monotonic() - start < 90, "/health never answered 503"
+        time.sleep(0.1)
+    assert response.json()["reason"] == "no worker replica is running"
+    assert response.json()["worker_replicas_not_running"]  # the replica being replaced, by state
     _health_until(one_worker, 200)
     assert pids(one_worker.name, "RolloutWorker") != [broken_pid]
     assert http.post(f"{one_worker.url}/rollout/generate", json=request_body(1)).status_code == 200

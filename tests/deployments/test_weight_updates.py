@@ -2,7 +2,11 @@
 
 import concurrent.futures
 import copy
+import json
+import math
+import os
 import shutil
+import struct
 import time
 from types import SimpleNamespace
 
@@ -130,10 +134,36 @@ def partial_checkpoint(app):
     return dict(model_path=str(path))
 
 
+def fifo_checkpoint(app):
+    path = app.root / "fifo.safetensors"
+    os.mkfifo(path)  # opened for reading with blocking, it would wait for a writer, and hold the coordinator
+    return dict(model_path=str(path))
+
+
+def link_out_of_the_roots(app):
+    path = app.root / "link.safetensors"
+    path.symlink_to(DEFAULT_WEIGHTS / "prompt_encoder.safetensors")
+    return dict(model_path=str(path), target_modules=["prompt_encoder"])
+
+
+def with_one_value(state_dict, value, dtype=None):
+    name = next(iter(state_dict))
+    tensor = state_dict[name].to(dtype or state_dict[name].dtype).clone()
+    tensor.view(-1)[0] = value
+    return {**state_dict, name: tensor}
+
+
 BAD_UPDATES = {
-    "partial file": (lambda app, base: ("disk", partial_checkpoint(app)), "cannot read"),
+    "partial file": (lambda app, base: ("disk", partial_checkpoint(app)), "is not a safetensors file"),
     "outside the allowed roots": (lambda app, base: ("disk", dict(model_path=str(DEFAULT_WEIGHTS))), "outside"),
+    "a link out of the allowed roots": (lambda app, base: ("disk", link_out_of_the_roots(app)), "outside"),
     "missing directory": (lambda app, base: ("disk", dict(model_path=str(app.root / "none"))), "does not exist"),
+    "a FIFO": (lambda app, base: ("disk", fifo_checkpoint(app)), "not a regular file"),
+    "NaN": (lambda app, base: ("tensor", with_one_value(perturbed(base, 3), math.nan)), "NaN or infinite"),
+    "float64 1e300": (
+        lambda app, base: ("tensor", with_one_value(perturbed(base, 3), 1e300, torch.float64)),
+        "NaN or infinite values, or values beyond the range of torch.float32",
+    ),
     "wrong shape": (
         lambda app, base: ("tensor", {**perturbed(base, 3), "proj_out.weight": torch.zeros(3, 3)}),
         "shape",
@@ -160,6 +190,46 @@ def test_a_bad_update_leaves_every_replica_on_the_old_weights(app, base, name):
     assert served(app) == before
     _, batch = rollout(app, {"prompt": "1", "num_outputs_per_prompt": 4, "num_inference_steps": 3})
     assert {s.weight_version for s in batch.samples} == {"base"}
+
+
+def _resident_mib(pids):
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/statm") as statm:
+            total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return total / 2**20
+
+
+def test_a_checkpoint_of_another_model_is_refused_from_its_header(app, base):
+    """1 GiB of data under one unknown name: refused from the header, no process reads or keeps any of it."""
+    path = app.root / "another-model.safetensors"
+    header = json.dumps({"not_a_weight": {"dtype": "F32", "shape": [2**28], "data_offsets": [0, 2**30]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    os.truncate(path, path.stat().st_size + 2**30)  # a hole: the test writes nothing
+    pids = [a.pid for a in list_actors(filters=[("state", "=", "ALIVE")]) if APP_NAME in (a.class_name or "")]
+    before, start = _resident_mib(pids), time.monotonic()
+    with pytest.raises(WeightUpdateError, match=r"1 unexpected \['not_a_weight'\]"):
+        app.handle.update_weights_from_disk.remote(str(path), weight_version="another").result()
+    elapsed, grown = time.monotonic() - start, _resident_mib(pids) - before
+    print(f"refused in {elapsed:.2f} s; the application's {len(pids)} processes {grown:+.1f} MiB")
+    assert elapsed < 1 and grown < 100  # reading the data took 8 s and held GBs
+
+
+def test_a_non_finite_update_is_a_400_and_sampling_goes_on(app, base, http):
+    named_tensors = with_one_value(perturbed(base, seed=9), math.nan)
+    envelope = TensorEncoder().encode({"named_tensors": named_tensors, "weight_version": "nan"})
+    response = http.post(
+        f"{app.url}/update_weights_from_tensor",
+        data=msgpack.packb(envelope),
+        headers={"Content-Type": "application/msgpack"},
+    )
+    assert response.status_code == 400 and response.json()["success"] is False, response.text
+    name = next(iter(named_tensors))
+    assert f"transformer weights: {name} has NaN or infinite values" in response.json()["message"]
+    assert len(response.json()["failed_replicas"]) == 2  # every replica refused it: nothing changed anywhere
+    body = {"prompt": "6", "num_outputs_per_prompt": 2, "num_inference_steps": 3, "rollout_debug_mode": False}
+    response = http.post(f"{app.url}/rollout/generate", json=body)
+    assert response.status_code == 200 and {row["weight_version"] for row in from_msgpack(response.content)} == {"base"}
 
 
 def _process_io(pids):
@@ -247,11 +317,14 @@ def test_sglangs_weight_endpoints(app, base, http):
         ("/update_weights_from_disk", {"flush_cache": True}, 422, "model_path: Field required"),
         ("/update_weights_from_disk", {"model_path": "/x", "flush": True}, 422, "flush: unknown field; did you mean 'flush_cache'?"),
         ("/update_weights_from_disk", {"model_path": str(app.root / "none")}, 400, "does not exist"),
+        ("/update_weights_from_disk", {"model_path": str(app.root / ("x" * 300_000))}, 400, "does not exist"),
+        ("/get_weights_checksum", {"module_names": ["transformer"] * 101}, 400, "module_names: at most 100 names"),
     ]
     for path, body, status, cause in refused:
         response = http.post(f"{app.url}{path}", json=body)
         assert response.status_code == status and response.json()["success"] is False, response.text
         assert cause in response.json()["message"]
+        assert len(response.content) < 2000  # whatever the request holds
     assert http.get(f"{app.url}/rollout/info").json()["weight_version"] == "http-6"
 
 

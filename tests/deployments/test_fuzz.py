@@ -1,0 +1,21 @@
+"""Fuzzed bodies over every route (`benchmarks/fuzz.py`, which runs 2,000 of them): each is
+answered with a 2xx or a 4xx, none hangs, and the server serves on."""
+
+from benchmarks.fuzz import VALID_BODIES, fuzz_cases, run_fuzz
+
+COUNT = 150
+
+
+def test_fuzzed_bodies_get_no_5xx_and_none_hangs(base_url, http):
+    report = run_fuzz(base_url, COUNT, seed=16)
+    assert not report.hung, [(case.number, case.path, case.mutation) for case in report.hung]
+    assert not report.server_errors, [
+        (case.number, case.path, case.mutation, text) for case, _, text in report.server_errors
+    ]
+    # Every route was reached, and most bodies of the routes that read them were refused.
+    routes = {route for route, _ in report.statuses}
+    assert routes == {case.path.split("?")[0] for case in fuzz_cases(COUNT, seed=16)}
+    read = {status: answers for (route, status), answers in report.statuses.items() if route in VALID_BODIES}
+    assert sum(answers for status, answers in read.items() if 400 <= status < 500) > sum(read.values()) / 2, read
+    response = http.post(f"{base_url}/rollout/generate", json={"prompt": "7", "num_inference_steps": 2})
+    assert response.status_code == 200
