@@ -5,15 +5,15 @@ before anything is read, and against the bytes read while a chunked body streams
 its client takes to send it, and how many bodies are being received at once, in all and from one
 client address. Serve's HTTP proxy (uvicorn) streams a body to the ingress as it arrives and has
 no such bounds of its own: 270 clients that sent headers and 11 bytes, then stalled, held every
-one of the ingress's request slots, and port 8000 stopped answering. Refusals close the
-connection. (Clients that stall before their headers are done never reach the ingress; they hold
-a socket of the proxy each and delay no one: `docs/reliability.md`.)
+one of the ingress's request slots, and port 8000 stopped answering. Slow bodies make room for
+prompt ones (`BodyReader`), and refusals close the connection. (Clients that stall before their
+headers are done never reach the ingress; they hold a socket of the proxy each and delay no one:
+`docs/reliability.md`.)
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,12 +60,34 @@ REQUEST_BODY = BodyKind("max_request_body_bytes", "body_timeout_s", (parse_msgpa
 TENSOR_UPDATE_BODY = BodyKind("max_weight_update_body_bytes", "weight_update_body_timeout_s", (from_msgpack, from_json))
 
 
+# A body still on its way after this long is slow: a trainer's arrive in milliseconds.
+SLOW_BODY_S = 1.0
+
+
+@dataclass
+class _Receiving:
+    """A body being received: who sends it, since when, and the deadline that ends it."""
+
+    client: str
+    started: float
+    deadline: asyncio.Timeout
+    overtaken: bool = False  # ended early, to make room for a body that came after it
+
+
 class BodyReader:
-    """The ingress's body reader: one per ingress replica, which counts the bodies it is receiving."""
+    """The ingress's body reader: one per ingress replica, which keeps the bodies it is receiving.
+
+    When as many are being received as the app config allows (in all, or from the new body's
+    client), the new body is let in if the oldest of those has been on its way `SLOW_BODY_S` or
+    more: that one is answered `408` now instead of at its deadline. So slow clients, however
+    many and from however many addresses, hold at most the allowed number of the ingress's slots
+    and never keep a prompt client out; only when every body being received is recent is the new
+    one refused (`503`).
+    """
 
     def __init__(self, config: RolloutAppConfig):
         self.config = config
-        self._receiving: Counter[str] = Counter()  # client address -> bodies being received
+        self._receiving: list[_Receiving] = []
 
     async def read(self, http_request: Request, kind: BodyKind = REQUEST_BODY) -> Any:
         """The body, parsed. Raises `BodyTooLargeError`, `BodyTimeoutError`, `TooManyBodiesError`,
@@ -76,38 +98,51 @@ class BodyReader:
         if declared.isdigit() and int(declared) > limit:
             raise BodyTooLargeError("body", too_large)
         client = http_request.client.host if http_request.client else ""
-        self._admit(client)
-        self._receiving[client] += 1
+        self._make_room(client)
         timeout = getattr(self.config, kind.timeout_field)
+        deadline = asyncio.timeout(timeout)
+        receiving = _Receiving(client, asyncio.get_running_loop().time(), deadline)
+        self._receiving.append(receiving)  # entered below before any await: no one can end it sooner
         try:
-            async with asyncio.timeout(timeout):
+            async with deadline:
                 body = await _received(http_request, limit, too_large)
         except TimeoutError:
-            raise BodyTimeoutError(
-                "body", f"not received within {timeout} s ({kind.timeout_field} in the app config)"
-            ) from None
+            if receiving.overtaken:
+                reason = "not received in time: it was the slowest of the bodies being received when others came"
+            else:
+                reason = f"not received within {timeout} s ({kind.timeout_field} in the app config)"
+            raise BodyTimeoutError("body", reason) from None
         finally:
-            self._receiving[client] -= 1
-            if not self._receiving[client]:
-                del self._receiving[client]
+            if receiving in self._receiving:
+                self._receiving.remove(receiving)
         parse_msgpack_body, parse_json_body = kind.parsers
         return (parse_msgpack_body if MSGPACK in http_request.headers.get("content-type", "") else parse_json_body)(
             body
         )
 
-    def _admit(self, client: str) -> None:
+    def _make_room(self, client: str) -> None:
         config = self.config
-        if self._receiving.total() >= config.max_unfinished_bodies:
-            limit = (
-                f"{config.max_unfinished_bodies} bodies are being received (max_unfinished_bodies in the app config)"
+        from_client = [body for body in self._receiving if body.client == client]
+        if len(self._receiving) >= config.max_unfinished_bodies:
+            self._end_the_slowest(
+                self._receiving,
+                f"{config.max_unfinished_bodies} bodies are being received (max_unfinished_bodies in the app config)",
             )
-            raise TooManyBodiesError(f"body: {limit}; send it again later")
-        if self._receiving[client] >= config.max_unfinished_bodies_per_client:
-            limit = config.max_unfinished_bodies_per_client
-            raise TooManyBodiesError(
-                f"body: {limit} bodies from this client address are being received "
-                "(max_unfinished_bodies_per_client in the app config); send it again later"
+        elif len(from_client) >= config.max_unfinished_bodies_per_client:
+            self._end_the_slowest(
+                from_client,
+                f"{config.max_unfinished_bodies_per_client} bodies from this client address are being received "
+                "(max_unfinished_bodies_per_client in the app config)",
             )
+
+    def _end_the_slowest(self, bodies: list[_Receiving], limit: str) -> None:
+        now = asyncio.get_running_loop().time()
+        oldest = min(bodies, key=lambda body: body.started)
+        if now - oldest.started < SLOW_BODY_S:
+            raise TooManyBodiesError(f"body: {limit}, none of them for {SLOW_BODY_S} s yet; send it again later")
+        oldest.overtaken = True
+        oldest.deadline.reschedule(now)  # its task raises TimeoutError at its next await
+        self._receiving.remove(oldest)
 
 
 async def _received(http_request: Request, limit: int, too_large: str) -> bytearray:
