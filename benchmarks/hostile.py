@@ -46,6 +46,15 @@ EMBEDDED_WEIGHTS = REPO / "rollout/models/weights/digit-flow"
 LIGHT = {"prompt": "7", "num_inference_steps": 4, "rollout_debug_mode": False}
 SECTION = "## Hostile clients"
 NO_ANSWER_S = 10.0  # a probe's request unanswered this long counts as hung
+STALLED_CLIENTS_NOTE = (
+    "Stalled clients send their headers and 11 bytes of a 1,000-byte body, then nothing, from one address"
+    " (127.0.0.2) or from 300 (127.0.1.x), while `/liveness` is polled and a generate sent from "
+    "127.0.0.1. After, the ingress holds at most `max_unfinished_bodies_per_client` (32) of them from one"
+    " address and `max_unfinished_bodies` (128) in all: a newcomer beyond that is refused (503), or takes"
+    " the place of the oldest once that has waited a second (408), and those held are answered 408 at "
+    "`body_timeout_s` (30 s). RSS is the peak during the probe less the figure before it: of the ingress "
+    "for bodies, of the coordinator and both workers for the sparse file."
+)
 
 _SERVER = """
 import json, sys, threading
@@ -472,6 +481,8 @@ def main() -> None:
             f"`build_app()` with its defaults, `allowed_weight_paths` set to a temporary root and a probe port, served "
             f"from {before_commit} (before) and from {after_commit} with its working tree (after), one after the other."
         ),
+        "",
+        STALLED_CLIENTS_NOTE,
         "",
         "| probe | before | after |",
         "|---|---|---|",

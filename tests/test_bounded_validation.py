@@ -15,9 +15,14 @@ import rollout.plan as plan_module
 from rollout.codec import (
     MAX_NESTING_DEPTH,
     CodecError,
+    DecodeBudget,
+    decode_tensor,
+    encode_tensor,
+    from_json,
     from_msgpack,
     parse_json,
     parse_msgpack,
+    to_json,
     to_msgpack,
 )
 from rollout.errors import (
@@ -79,6 +84,63 @@ def test_responses_decode_within_the_depth_limit():
     rows = [{"dit_trajectory": {"latents": torch.zeros(2, 3)}, "denoising_env": {"pos_cond_kwargs": {"x": [torch.ones(1)]}}}]
     decoded = from_msgpack(to_msgpack(rows))
     assert torch.equal(decoded[0]["denoising_env"]["pos_cond_kwargs"]["x"][0], torch.ones(1))
+
+
+# Decoding costs what the bytes cost ---------------------------------------------------------------
+
+
+def test_a_body_built_to_expand_is_refused_while_it_decodes():
+    # A million empty maps in 1 MiB: 1 GB of Python objects and 4.6 s before, the decoder's hooks now
+    # stop it once the maps outnumber what the body's size allows.
+    body = msgpack.packb({"prompt": [{}] * (2**20 - 16)})
+    built = DecodeBudget.for_body(len(body))
+    seen = []
+    with pytest.raises(CodecError, match=f"more than {built.containers} maps and lists"):
+        parse_msgpack(body, object_hook=lambda mapping: seen.append(1) or mapping)
+    assert len(seen) == built.containers  # not one map more was handed on
+    with pytest.raises(CodecError, match="maps and lists"):
+        parse_json(json.dumps({"prompt": [[]] * 300_000}))
+    with pytest.raises(CodecError, match="items in them"):
+        parse_msgpack(msgpack.packb({"prompt": [1000] * 130_000}))
+
+
+def test_brackets_and_commas_inside_strings_cost_nothing():
+    prompt = "[{," * 200_000
+    assert parse_json(json.dumps({"prompt": prompt}))["prompt"] == prompt
+
+
+def test_a_real_weight_update_fits_the_budget():
+    # Thousands of small tensors, as a transformer's full state dict: each envelope is a map around
+    # a safetensors file, far more bytes than the budget asks of a map.
+    named = {f"blocks.{i}.norm.weight": torch.ones(1) for i in range(5_000)}
+    for to_wire, from_wire in ((to_msgpack, from_msgpack), (to_json, from_json)):
+        decoded = from_wire(to_wire({"named_tensors": named}))["named_tensors"]
+        assert len(decoded) == 5_000 and torch.equal(decoded["blocks.7.norm.weight"], torch.ones(1))
+
+
+def test_a_list_field_stops_at_its_first_bad_item():
+    with pytest.raises(RequestSchemaError) as caught:
+        parse_request({"prompt": [1] * 100_000})
+    assert len(caught.value.errors) <= 2  # one per union branch, not one per item
+
+
+def test_envelope_headers_and_shapes_are_bounded():
+    def envelope(header: bytes, data: bytes = b"\x00" * 4, shape=None) -> dict:
+        return {"__tensor__": True, "data": len(header).to_bytes(8, "little") + header + data, "shape": shape or [1], "dtype": "torch.float32"}
+
+    huge_header = json.dumps({"t": {"dtype": "F32", "shape": [1] * 100_000, "data_offsets": [0, 4]}}).encode()
+    with pytest.raises(CodecError, match="header length .* is out of range"):
+        decode_tensor(envelope(huge_header))
+    digits = b'{"t":{"dtype":"F32","shape":[' + b"9" * 5_000 + b'],"data_offsets":[0,4]}}'
+    with pytest.raises(CodecError, match="not a safetensors file"):
+        decode_tensor(envelope(digits))
+    good = encode_tensor(torch.zeros(1))
+    for shape in (5, "1", None, [[1]]):
+        with pytest.raises(CodecError, match="declares shape"):
+            decode_tensor({**good, "shape": shape})
+    with pytest.raises(CodecError) as caught:
+        decode_tensor({**good, "shape": list(range(300_000))})
+    assert len(str(caught.value)) < 1_000
 
 
 # Linear checks -----------------------------------------------------------------------------------
