@@ -14,6 +14,7 @@ import requests  # noqa: E402
 from ray import serve  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
+from deployments.local_ray import start_local_ray  # noqa: E402
 from tests.deployments.apps import APP_NAME, TEST_CONFIG, free_port  # noqa: E402
 
 
@@ -24,7 +25,7 @@ def app_config() -> dict:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    context = ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
+    context = start_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
     yield context
     serve.shutdown()
     ray.shutdown()
