@@ -22,15 +22,20 @@ class DiscoveryRoutes:
     _worker_info: dict | None = None  # the model's description, read from a worker once
 
     async def info(self) -> dict:
-        """Handle API: the model, its scheduler and defaults, the limits and the weights served."""
+        """Handle API: the model, its scheduler, defaults and image size limits, the configured limits
+        and the weights served."""
         if self._worker_info is None:
             self._worker_info = await self.worker.info.remote()
         weights = await self.coordinator.state.remote()
+        configured = self.config.limits.max_image_size
+        model_max = self._worker_info["image_size_limits"]["max_size"]
         return {
             **self._worker_info,
             "weight_version": weights["weight_version"],
             "replica_weight_versions": weights["replicas"],
             "limits": self.config.limits.model_dump(),
+            # What a request may ask for: the smaller of the configured limit and the model's own.
+            "max_image_size": configured if model_max is None else min(configured, model_max),
             "max_batch_size": self.config.max_batch_size,
         }
 

@@ -152,6 +152,38 @@ class MicroBatching:
         return self.by_size.get((height, width), self.default)
 
 
+@dataclass(frozen=True)
+class ImageSizeLimits:
+    """The heights and widths a model can make, as the model itself bounds them.
+
+    Attributes:
+        multiple: every height and width is a multiple of it (the VAE's downsampling times the
+            transformer's patch).
+        max_size: the largest height and width, in pixels; None where nothing in the model bounds
+            them (rotary position embeddings computed for any size).
+        bound_by: what in the model sets `max_size`, in words, for the error that names it.
+    """
+
+    multiple: int
+    max_size: int | None = None
+    bound_by: str | None = None
+
+    def check(self, height: int, width: int, model: str) -> None:
+        """Raises `InvalidRequestError` naming ``height`` or ``width`` and the limit it breaks."""
+        for dimension, value in (("height", height), ("width", width)):
+            if value % self.multiple:
+                raise InvalidRequestError(
+                    dimension, f"must be a multiple of {self.multiple} for model {model!r}, got {value}"
+                )
+            if self.max_size is not None and value > self.max_size:
+                raise InvalidRequestError(
+                    dimension, f"must be at most {self.max_size} for model {model!r} ({self.bound_by}), got {value}"
+                )
+
+    def describe(self) -> dict[str, Any]:
+        return {"multiple_of": self.multiple, "max_size": self.max_size, "max_size_bound_by": self.bound_by}
+
+
 @runtime_checkable
 class RolloutPipeline(Protocol):
     """What the sampler needs from a model. Shapes use B for the batch size."""
@@ -172,10 +204,16 @@ class RolloutPipeline(Protocol):
         (``transformer``, ...): what weight updates, LoRA adapters and checksums address."""
         ...
 
+    @property
+    def image_size_limits(self) -> ImageSizeLimits:
+        """The sizes the model can make, derived from the model itself (what `latent_shape` checks)."""
+        ...
+
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """Shape of one sample's latents for an image of `height` x `width` pixels.
 
-        Raises `InvalidRequestError` naming ``height``/``width`` when the model cannot produce it.
+        Raises `InvalidRequestError` naming ``height``/``width`` when the model cannot produce it
+        (outside `image_size_limits`).
         """
         ...
 

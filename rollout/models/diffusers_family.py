@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from rollout.errors import InvalidRequestError, ModelLoadError, UnknownPromptError
-from rollout.models.base import Conditioning, MicroBatching
+from rollout.errors import ModelLoadError, UnknownPromptError
+from rollout.models.base import Conditioning, ImageSizeLimits, MicroBatching
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
@@ -135,18 +135,27 @@ class DiffusersFamily:
     def latent_channels(self) -> int:
         return self.transformer.config.in_channels
 
+    @property
+    def patch_size(self) -> int:
+        """Latent pixels a side of one transformer token: FLUX.1's and Qwen-Image's pipelines pack
+        2x2 latents into a token, whatever their transformer's own `patch_size` config says."""
+        return 2
+
+    @property
+    def image_size_limits(self) -> ImageSizeLimits:
+        # FLUX.1's rotary embeddings are computed from the token ids of any size and the VAEs are
+        # convolutional: only the token grid bounds the size. Families whose transformer holds a
+        # table of positions bound it too.
+        return ImageSizeLimits(multiple=self.vae_scale_factor * self.patch_size)
+
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        # The VAE downsamples by `vae_scale_factor` and the transformer takes 2x2 patches.
-        multiple = self.vae_scale_factor * 2
-        for field, value in (("height", height), ("width", width)):
-            if value % multiple:
-                raise InvalidRequestError(field, f"must be a multiple of {multiple} for model {self.name!r}, got {value}")
+        self.image_size_limits.check(height, width, self.name)
         return (self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
 
     def image_sequence_length(self, height: int, width: int) -> int:
         """Image tokens the transformer sees: the `image_seq_len` that dynamic shifting reads."""
         _, latent_height, latent_width = self.latent_shape(height, width)
-        return (latent_height // 2) * (latent_width // 2)
+        return (latent_height // self.patch_size) * (latent_width // self.patch_size)
 
     def schedule(self, num_steps: int, height: int, width: int) -> ScheduleSnapshot:
         return ScheduleSnapshot.from_scheduler(

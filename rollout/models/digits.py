@@ -22,6 +22,7 @@ from torch import nn
 from rollout.errors import InvalidRequestError, UnknownPromptError, short_repr
 from rollout.models.base import (
     Conditioning,
+    ImageSizeLimits,
     MicroBatching,
     batched_cfg_velocity,
     cfg_scale,
@@ -186,6 +187,12 @@ class DigitFlowPipeline:
             },
         }
         (path / "pipeline.json").write_text(json.dumps(options, indent=2) + "\n")
+
+    @property
+    def image_size_limits(self) -> ImageSizeLimits:
+        return ImageSizeLimits(
+            multiple=IMAGE_SIZE, max_size=IMAGE_SIZE, bound_by=f"it is trained on {IMAGE_SIZE}x{IMAGE_SIZE} digits only"
+        )
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         for field, value in (("height", height), ("width", width)):

@@ -10,9 +10,11 @@ schedule shifts with the image's token count and stretches to `shift_terminal`, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from rollout.models.base import Conditioning
+from rollout.models.base import Conditioning, ImageSizeLimits
 from rollout.models.diffusers_family import PackedLatentFamily
 from rollout.options import SamplingOptions
 
@@ -22,6 +24,23 @@ class QwenImageFamily(PackedLatentFamily):
     diffusers_pipeline = "QwenImagePipeline"
     default_guidance_scale = 1.0  # read only by guidance-distilled weights; Qwen-Image's are not
     default_max_sequence_length = 512  # the pipeline's limit; a shorter one is faster
+
+    @property
+    def image_size_limits(self) -> ImageSizeLimits:
+        limits = super().image_size_limits
+        # The transformer's rotary positions are a fixed table. Token rows and columns are numbered
+        # around 0, and the text's positions start after the image's largest (half its rows or
+        # columns): rows // 2 + the padded text length must fit, or the text's embedding is cut short.
+        positions = len(self.transformer.pos_embed.pos_freqs)
+        most_token_rows = 2 * (positions - self.max_sequence_length) + 1
+        return dataclasses.replace(
+            limits,
+            max_size=most_token_rows * limits.multiple,
+            bound_by=(
+                f"its transformer's {positions} rotary positions less max_sequence_length "
+                f"{self.max_sequence_length} leave {most_token_rows} token rows of {limits.multiple} pixels"
+            ),
+        )
 
     def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
         embeds, mask = self.pipe.encode_prompt(

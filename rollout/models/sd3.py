@@ -8,11 +8,12 @@ transformer patchifies), the schedule is a static shift, the transformer takes `
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
-from rollout.models.base import Conditioning, batched_cfg_velocity, cfg_scale
+from rollout.models.base import Conditioning, ImageSizeLimits, batched_cfg_velocity, cfg_scale
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 
@@ -22,6 +23,26 @@ class StableDiffusion3Family(DiffusersFamily):
     diffusers_pipeline = "StableDiffusion3Pipeline"
     default_guidance_scale = 7.0  # the pipeline's; Flow-GRPO trains SD3.5-Medium at 4.5
     default_max_sequence_length = 256
+
+    @property
+    def patch_size(self) -> int:
+        return self.transformer.config.patch_size
+
+    @property
+    def image_size_limits(self) -> ImageSizeLimits:
+        limits = super().image_size_limits
+        grid = self.transformer.config.pos_embed_max_size
+        if grid is None:  # the patch embedding then computes its positions for the size it gets
+            return limits
+        # Its positions are a `grid` x `grid` table of patches, cropped to the image's patches.
+        return dataclasses.replace(
+            limits,
+            max_size=grid * self.patch_size * self.vae_scale_factor,
+            bound_by=(
+                f"its transformer's pos_embed_max_size {grid} x patch {self.patch_size} "
+                f"x VAE factor {self.vae_scale_factor}"
+            ),
+        )
 
     def set_timesteps_kwargs(self, num_steps: int, height: int, width: int) -> dict[str, Any]:
         if not self.scheduler.config.get("use_dynamic_shifting"):

@@ -121,6 +121,20 @@ def test_bad_sizes_are_refused_and_the_server_keeps_serving(family_apps, http):
     assert response.status_code == 200
 
 
+def test_a_size_past_the_models_limit_is_a_400_naming_it_and_info_shows_it(family_apps, http):
+    """Tiny SD3's positions stop at 512 px, far below the configured `limits.max_image_size`."""
+    _, url, local = family_apps["sd3"]
+    response = http.post(f"{url}/rollout/generate", json={"prompt": "x", "height": 1024, "width": 1024})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["field"] == "height"
+    assert "must be at most 512 for model 'sd3' (its transformer's pos_embed_max_size 32 x patch 2" in error["message"]
+    info = http.get(f"{url}/rollout/info").json()
+    assert info["image_size_limits"] == local.image_size_limits.describe()
+    assert info["image_size_limits"]["max_size"] == 512 and info["limits"]["max_image_size"] == 4096
+    assert info["max_image_size"] == 512
+
+
 def test_concurrent_requests_of_different_sizes_are_sampled_apart(family_apps):
     """Sizes differ in `mu`, so in schedule: each response has its own size's schedule."""
     handle, _, local = family_apps["qwenimage"]
