@@ -15,6 +15,9 @@ demo: setup
 test: setup
 	$(PYTHON) -m pytest
 
-# make serve ARGS="num_worker_replicas=1": the app config's fields, as `serve run` takes them.
+# make serve MODEL=/models/x: a local diffusers directory, its family read from its model_index.json.
+# make serve ARGS="num_worker_replicas=1 model.dtype=bfloat16": the app config's fields, as `serve
+# run` takes them; dotted keys set nested fields (make drops quotes, so a JSON value cannot pass).
+MODEL ?=
 serve: setup
-	$(PYTHON) scripts/serve_local.py $(ARGS)
+	$(PYTHON) scripts/serve_local.py $(if $(MODEL),--model "$(MODEL)") $(ARGS)

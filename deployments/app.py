@@ -4,6 +4,7 @@ embedded model as the application "rollout" (without --name, Serve names it "def
     make serve                                                                 # the same, Ray on loopback (README)
     serve run --name rollout deployments.app:build_app                         # 127.0.0.1:8000
     serve run --name rollout deployments.app:build_app num_worker_replicas=1   # key=value args
+    serve run --name rollout deployments.app:build_app model.path=/models/x    # a diffusers directory (dotted keys)
     serve run deployments/serve_config.yaml                                    # from a config file
 """
 
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import click
 import ray
 import torch
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
+from ray.serve.schema import LoggingConfig
 
-from deployments.config import RolloutAppConfig
+from deployments.config import AppConfigError, RolloutAppConfig
 from deployments.ingress import RolloutIngress
 from deployments.routing import FewestSamplesRouter
 from deployments.weights import WeightCoordinator
@@ -28,6 +31,9 @@ SHUTDOWN_CHECK_PERIOD_S = 0.2
 # The coordinator's requests in flight at shutdown are the workers' 10 s long polls, which nobody
 # waits for once the application stops; Serve's default drain kept `serve run` up 10 s longer.
 COORDINATOR_SHUTDOWN_TIMEOUT_S = 0.2
+# A worker's calls all come from the ingress, which logs each request (HTTP or handle) once already:
+# Serve's access log of the worker's side repeated every request's line, and said less.
+WORKER_LOGGING = LoggingConfig(enable_access_log=False)
 
 
 def _worker_gpus(config: RolloutAppConfig) -> float:
@@ -38,10 +44,23 @@ def _worker_gpus(config: RolloutAppConfig) -> float:
     return 1.0 if torch.cuda.is_available() else 0.0
 
 
+class BuildAppError(AppConfigError, click.ClickException):
+    """An `AppConfigError` that `serve run module:builder` prints as one line ("Error: field: reason")
+    and exits 1 on, where it prints any other exception from a builder as a traceback."""
+
+    def __init__(self, error: AppConfigError):
+        super().__init__(error.field, error.reason)
+        click.ClickException.__init__(self, str(error))  # sets what click prints, and how
+
+
 def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Application:
     """The ingress bound to `num_worker_replicas` workers; `args` is validated as `RolloutAppConfig`
-    (an `AppConfigError` naming the field if it breaks a rule)."""
-    config = RolloutAppConfig.parse(args)
+    (an `AppConfigError` naming the field if it breaks a rule). Dotted keys set nested fields, so
+    `serve run deployments.app:build_app model.path=/models/x` serves a diffusers directory."""
+    try:
+        config = RolloutAppConfig.parse(args)
+    except AppConfigError as error:
+        raise BuildAppError(error) from None
     drain = {"graceful_shutdown_wait_loop_s": SHUTDOWN_CHECK_PERIOD_S}
     coordinator = WeightCoordinator.options(
         graceful_shutdown_timeout_s=COORDINATOR_SHUTDOWN_TIMEOUT_S, **drain
@@ -53,6 +72,11 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
         request_router_config=RequestRouterConfig(request_router_class=FewestSamplesRouter),
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         health_check_period_s=config.worker_health_check_period_s,
+        logging_config=WORKER_LOGGING,
+        # Serve starts a replica whose constructor raised again, up to min(this, 3 per replica) times
+        # in all before it marks the application DEPLOY_FAILED (ray/serve/_private/deployment_state.py):
+        # one try per replica, as a model that cannot load fails every replica alike, after loading.
+        max_constructor_retry_count=config.num_worker_replicas,
         **drain,
         ray_actor_options={"num_cpus": config.worker_num_cpus, "num_gpus": _worker_gpus(config)},
     ).bind(config, coordinator)

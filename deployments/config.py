@@ -29,7 +29,7 @@ from rollout.errors import (
     short_repr,
 )
 from rollout.models.base import MicroBatching
-from rollout.models.registry import EMBEDDED_MODEL, check_model_choice
+from rollout.models.registry import EMBEDDED_MODEL, check_model_choice, check_model_directory
 from rollout.plan import RequestLimits
 from rollout.schema import RequestValidation
 
@@ -68,6 +68,13 @@ class ModelConfig(BaseModel):
     max_sequence_length: int | None = Field(
         None, ge=1, description="Text tokens every prompt is padded or truncated to; None: the family's default."
     )
+    # On a cluster the builder may run on a node without the weights (a CPU head, GPU workers scaled
+    # to zero): there a bad directory can only fail the worker replicas' start.
+    check_path_at_build: bool = Field(
+        True,
+        description="Check `path` when the app is built (it exists and holds the model), so that a bad one fails "
+        "the start at once; false where only the worker nodes have the directory.",
+    )
 
     @field_validator("micro_batch_sizes")
     @classmethod
@@ -82,6 +89,8 @@ class ModelConfig(BaseModel):
     def _loadable(self) -> "ModelConfig":
         try:
             check_model_choice(self.name, self.path, self.max_sequence_length)
+            if self.path is not None and self.check_path_at_build:
+                check_model_directory(self.name, self.path)
         except ModelLoadError as error:
             raise ValueError(f"{error.field.removeprefix('model.')}: {error.reason}") from None
         return self
@@ -95,6 +104,28 @@ class ModelConfig(BaseModel):
     def micro_batching(self, model_default: int) -> MicroBatching:
         """The configured micro-batches; sizes not listed keep `micro_batch_size`, else `model_default`."""
         return MicroBatching.parse(self.micro_batch_size or model_default, self.micro_batch_sizes)
+
+
+def _nest_dotted_keys(args: dict) -> dict:
+    """`args` with each dotted key's value moved under its parents; the caller's dicts are left as they were."""
+    nested = {key: value for key, value in args.items() if not (isinstance(key, str) and "." in key)}
+    for key, value in args.items():
+        if key in nested:
+            continue
+        *parents, leaf = key.split(".")
+        level = nested
+        for depth, part in enumerate(parents):
+            child = level.get(part, {})
+            if not isinstance(child, dict):
+                raise AppConfigError(
+                    clip(".".join(parents[: depth + 1])), f"set both whole and by {clip(key)}: give one"
+                )
+            parent, level = level, dict(child)
+            parent[part] = level
+        if leaf in level:
+            raise AppConfigError(clip(key), "set twice, by its dotted key and inside its parent: give it once")
+        level[leaf] = value
+    return nested
 
 
 class RolloutAppConfig(BaseModel):
@@ -217,11 +248,15 @@ class RolloutAppConfig(BaseModel):
 
     @classmethod
     def parse(cls, args: "dict | RolloutAppConfig | None") -> "RolloutAppConfig":
-        """`args` validated; raises `AppConfigError` naming the first field that breaks a rule."""
+        """`args` validated; raises `AppConfigError` naming the first field that breaks a rule.
+
+        A dotted key sets a nested field, as `serve run`'s key=value args can only give flat strings:
+        {"model.path": "/models/x"} is {"model": {"path": "/models/x"}}.
+        """
         if isinstance(args, cls):
             return args
         try:
-            return cls.model_validate(args or {})
+            return cls.model_validate(_nest_dotted_keys(args or {}))
         except ValidationError as error:
             problem = error.errors(include_url=False)[0]
             location = [str(part) for part in problem["loc"]]
@@ -231,6 +266,8 @@ class RolloutAppConfig(BaseModel):
             if rest and head.isidentifier() and head not in location:
                 location, message = [*location, head], rest
             value = "" if problem["type"] in ("missing", "value_error") else f", got {short_repr(problem.get('input'))}"
+            if problem["type"] == "model_type" and isinstance(problem.get("input"), str):
+                value += f"; set its fields by dotted keys: {'.'.join(location)}.<field>=<value>"
             raise AppConfigError(clip(".".join(location) or "config"), f"{message}{value}") from None
 
     @model_validator(mode="after")

@@ -104,8 +104,12 @@ class RolloutWorker:
         return await self._coordinator.register.remote(self.replica, actor, layouts, self.weights.version)
 
     async def __del__(self):
-        self._queue.stop()
-        await self.follower.stop()
+        # Serve calls this after an __init__ that raised (a model that cannot load) too: stop only
+        # what was started, so that the cause stays the one error in the replica's log.
+        if hasattr(self, "_queue"):
+            self._queue.stop()
+        if hasattr(self, "follower"):
+            await self.follower.stop()
 
     async def _on_sampling_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._sampling_thread, fn, *args)
@@ -129,6 +133,7 @@ class RolloutWorker:
             "default_height": self.pipeline.default_height,
             "default_width": self.pipeline.default_width,
             "default_guidance_scale": self.pipeline.default_guidance_scale,
+            "image_size_limits": self.pipeline.image_size_limits.describe(),
             "device": str(self.pipeline.device),
         }
 

@@ -42,8 +42,8 @@ def available_models() -> list[str]:
 
 
 def check_model_choice(name: str | None, path: str | Path | None, max_sequence_length: int | None = None) -> None:
-    """The rules a model's name, directory and text length meet, checked without reading the
-    directory (an app config is checked so when it is built); raises `ModelLoadError` naming the field."""
+    """The rules a model's name, directory and text length meet without looking at the directory
+    (`check_model_directory` looks); raises `ModelLoadError` naming the field."""
     embedded = name == EMBEDDED_MODEL or (name is None and path is None)
     if embedded and max_sequence_length is not None:
         raise ModelLoadError("model.max_sequence_length", "the embedded model has no text encoder")
@@ -52,30 +52,73 @@ def check_model_choice(name: str | None, path: str | Path | None, max_sequence_l
 
 
 def resolve_model(name: str | None, path: str | Path | None = None) -> tuple[str, Path]:
-    """The model name and the directory that `load_pipeline(name, path)` loads.
+    """The model name and the directory that `load_pipeline(name, path)` loads, after checking
+    that the directory holds that model (`check_model_directory`).
 
     With no name, a directory's family is read from its `model_index.json`; with neither, the
     embedded model and its packaged weights.
     """
     check_model_choice(name, path)
-    if name is None and path is None:
+    if path is None:
         return EMBEDDED_MODEL, DEFAULT_WEIGHTS
+    return check_model_directory(name, path), Path(path)
+
+
+def check_model_directory(name: str | None, path: str | Path) -> str:
+    """The name of the model in directory `path`, after the checks that read no weights: the
+    directory exists, holds the embedded model's `pipeline.json` or a diffusers `model_index.json`
+    with its component folders, and holds model `name` if one is given. Raises `ModelLoadError`
+    naming the field and the fix. Costs milliseconds, so an app config is checked so when built."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(
+            "model.path", f"{path} is not a directory: it does not exist; give a local model directory (never a hub id)"
+        )
+    if not path.is_dir():
+        raise ModelLoadError(
+            "model.path", f"{path} is a file: give the model's directory, which holds model_index.json"
+        )
+    is_diffusers = (path / "model_index.json").is_file()
+    is_embedded = (path / "pipeline.json").is_file()
     if name == EMBEDDED_MODEL:
-        return name, DEFAULT_WEIGHTS if path is None else Path(path)
+        if is_embedded:
+            return name
+        if is_diffusers:
+            raise ModelLoadError(
+                "model.name",
+                f"{path} is a diffusers directory, not the {EMBEDDED_MODEL} model's: "
+                "leave model.name out to read its family from model_index.json",
+            )
+        raise ModelLoadError(
+            "model.path", f"{path} has no pipeline.json: not a directory of the {EMBEDDED_MODEL} model"
+        )
+    if is_embedded and not is_diffusers:
+        raise ModelLoadError("model.name", f"{path} holds the embedded model: set model.name to {EMBEDDED_MODEL!r}")
+    if not is_diffusers:
+        raise ModelLoadError(
+            "model.path",
+            f"{path} has no model_index.json: give a diffusers pipeline directory (as save_pretrained writes)",
+        )
+    from rollout.models.diffusers_family import read_model_index
+
+    class_name = read_model_index(path)["_class_name"]
     families = _families()
     if name is None:
-        from rollout.models.diffusers_family import read_model_index
-
-        class_name = read_model_index(path)["_class_name"]
         by_class = {family.diffusers_pipeline: family.name for family in families.values()}
         if class_name not in by_class:
             raise ModelLoadError(
                 "model.path", f"{path} holds a {class_name}; this server serves {sorted(by_class)} (or set model.name)"
             )
-        return by_class[class_name], Path(path)
+        return by_class[class_name]
     if name not in families:
         raise ModelLoadError("model.name", f"unknown model {name!r}; available: {available_models()}")
-    return name, Path(path)
+    if families[name].diffusers_pipeline != class_name:
+        raise ModelLoadError(
+            "model.name",
+            f"{path} holds a {class_name}, not the {families[name].diffusers_pipeline} of model {name!r}: "
+            "leave model.name out to read the family from model_index.json",
+        )
+    return name
 
 
 def load_pipeline(

@@ -1,5 +1,6 @@
 """The app builder and the Serve config files validate through one path."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import build_app
 from deployments.config import AppConfigError, ModelConfig, RolloutAppConfig
+from rollout.models.digits import DEFAULT_WEIGHTS as EMBEDDED_WEIGHTS
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "deployments").glob("serve_config*.yaml"))
 
@@ -58,3 +60,117 @@ def test_a_bad_config_fails_build_app_naming_the_field(args, field, reason):
 def test_micro_batches_by_size_fall_back_to_the_configured_else_the_models_default(model, default, by_size):
     micro_batching = ModelConfig.model_validate(model).micro_batching(model_default=8)
     assert micro_batching.default == default and dict(micro_batching.by_size) == by_size
+
+
+def _diffusers_dir(root: Path, class_name: str = "StableDiffusion3Pipeline", **components) -> Path:
+    """A directory that passes the checks that read no weights: model_index.json and no components."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": class_name, **components}))
+    return root
+
+
+def test_dotted_keys_set_nested_fields_as_serve_run_passes_them(tmp_path):
+    model_dir = _diffusers_dir(tmp_path / "sd3")
+    args = {
+        "model.path": str(model_dir),
+        "model.dtype": "bfloat16",
+        "limits.max_inference_steps": "30",
+        "num_worker_replicas": "1",
+    }
+    config = RolloutAppConfig.parse(args)
+    assert (config.model.path, config.model.dtype) == (str(model_dir), "bfloat16")
+    assert (config.limits.max_inference_steps, config.num_worker_replicas) == (30, 1)
+    assert config.model.label() == "sd3"
+
+
+def test_dotted_keys_merge_into_a_parent_given_whole_and_leave_it_unchanged(tmp_path):
+    model = {"dtype": "float16"}
+    config = RolloutAppConfig.parse({"model": model, "model.path": str(_diffusers_dir(tmp_path / "m"))})
+    assert config.model.dtype == "float16" and config.model.path is not None
+    assert model == {"dtype": "float16"}
+
+
+@pytest.mark.parametrize(
+    "args, field, reason",
+    [
+        ({"model.pth": "/x"}, "model.pth", "Extra inputs are not permitted"),
+        ({"no_such.field": "1"}, "no_such", "Extra inputs are not permitted"),
+        ({"model": {"path": "/a"}, "model.path": "/b"}, "model.path", "set twice"),
+        ({"num_worker_replicas": "1", "num_worker_replicas.x": "2"}, "num_worker_replicas", "set both whole and by"),
+        # `make serve ARGS='model={"path":...}'`: make drops the quotes, and Serve passes strings.
+        ({"model": "{path:/x}"}, "model", "set its fields by dotted keys: model.<field>=<value>"),
+    ],
+)
+def test_a_bad_dotted_key_names_the_field(args, field, reason):
+    with pytest.raises(AppConfigError) as caught:
+        RolloutAppConfig.parse(args)
+    assert caught.value.field == field and reason in caught.value.reason
+
+
+BAD_MODELS = {
+    "a path that does not exist": (
+        lambda root: {"path": str(root / "missing")},
+        "model.path",
+        "is not a directory: it does not exist; give a local model directory",
+    ),
+    "a file": (lambda root: {"path": str(_diffusers_dir(root) / "model_index.json")}, "model.path", "is a file"),
+    "a directory that is not a model": (
+        lambda root: {"path": str(root)},
+        "model.path",
+        "has no model_index.json: give a diffusers pipeline directory",
+    ),
+    # deployments/serve_config.yaml with its `# path:` uncommented and `name` kept.
+    "the embedded model's name with a diffusers path": (
+        lambda root: {"name": "embedded-digits", "path": str(_diffusers_dir(root))},
+        "model.name",
+        "is a diffusers directory, not the embedded-digits model's: leave model.name out",
+    ),
+    "the embedded model's name with a directory of neither": (
+        lambda root: {"name": "embedded-digits", "path": str(root)},
+        "model.path",
+        "has no pipeline.json",
+    ),
+    "a family's name with another family's directory": (
+        lambda root: {"name": "flux", "path": str(_diffusers_dir(root))},
+        "model.name",
+        "holds a StableDiffusion3Pipeline, not the FluxPipeline of model 'flux'",
+    ),
+    "an unknown name": (
+        lambda root: {"name": "sdxl", "path": str(_diffusers_dir(root))},
+        "model.name",
+        "unknown model 'sdxl'",
+    ),
+    "a pipeline no family serves": (
+        lambda root: {"path": str(_diffusers_dir(root, "StableDiffusionXLPipeline"))},
+        "model.path",
+        "holds a StableDiffusionXLPipeline; this server serves",
+    ),
+    "a component folder missing": (
+        lambda root: {"path": str(_diffusers_dir(root, transformer=["diffusers", "SD3Transformer2DModel"]))},
+        "model.path",
+        "lacks the component folder(s) ['transformer']",
+    ),
+    "the embedded model's directory without its name": (
+        lambda root: {"path": str(EMBEDDED_WEIGHTS)},
+        "model.name",
+        "holds the embedded model: set model.name to 'embedded-digits'",
+    ),
+}
+
+
+@pytest.mark.parametrize("model, field, reason", BAD_MODELS.values(), ids=BAD_MODELS.keys())
+def test_a_model_that_cannot_load_fails_the_build_naming_the_field_and_the_fix(tmp_path, model, field, reason):
+    with pytest.raises(AppConfigError) as caught:
+        build_app({"model": model(tmp_path)})
+    assert caught.value.field == field and reason in caught.value.reason
+    assert "\n" not in str(caught.value)
+
+
+def test_the_embedded_model_loads_from_a_directory_of_its_own():
+    config = RolloutAppConfig.parse({"model.name": "embedded-digits", "model.path": str(EMBEDDED_WEIGHTS)})
+    assert config.model.label() == "embedded-digits"
+
+
+def test_a_path_only_the_worker_nodes_have_is_left_to_them():
+    config = RolloutAppConfig.parse({"model.path": "/only/on/gpu/nodes", "model.check_path_at_build": "false"})
+    assert config.model.path == "/only/on/gpu/nodes"
