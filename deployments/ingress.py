@@ -5,6 +5,7 @@ loops inside the cluster) share each concern's code; a request's life after it i
 """
 
 import asyncio
+import logging
 import time
 
 from fastapi import FastAPI
@@ -18,6 +19,8 @@ from deployments.dispatch import Dispatcher, ServeWorkers
 from deployments.load import outstanding_samples
 from deployments.probes import ProbeServer
 from deployments.routes import discovery, generate, health, memory, mount, weights
+
+logger = logging.getLogger("ray.serve")
 
 CONCERNS = [
     generate.GenerateRoutes,
@@ -43,6 +46,14 @@ class RolloutIngress(*CONCERNS):
         self.dispatcher = Dispatcher(ServeWorkers(worker), config, outstanding_samples)
         self.worker_status = health.WorkerStatus(asyncio.get_running_loop())
         self._probes = None if config.probe_port is None else ProbeServer(config.probe_host, config.probe_port, self.probe)
+        # `serve run config.yaml` says nothing after "Submitted deploy config successfully.": this is
+        # the line in its terminal that says what is served (Serve prints replicas' logs there).
+        model = config.model.label() + ("" if config.model.path is None else f" from {config.model.path}")
+        probes = "no probe port" if config.probe_port is None else f"probes on http://{config.probe_host}:{config.probe_port}"
+        logger.info(
+            "rollout app %r up: model %s, %d worker replica(s); %s (/health answers 200 once a worker runs)",
+            config.app_name, model, config.num_worker_replicas, probes,
+        )
 
     def __del__(self):
         if self._probes is not None:

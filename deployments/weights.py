@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
+from ray.serve.schema import LoggingConfig
 
 from deployments.broadcast import Command, CommandLog, Posted, Report
 from rollout.errors import RolloutError, clip
@@ -152,7 +153,15 @@ class _Committed:
 # The coordinator ------------------------------------------------------------------------------
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+# Every worker replica long-polls `next_commands` every `POLL_TIMEOUT_S`, and registers and reports
+# through the same calls: Serve's access log of them was a line per replica every 10 s in the
+# terminal of `make serve` and in a trainer's Python prompt, with nothing in it for either.
+@serve.deployment(
+    num_replicas=1,
+    max_ongoing_requests=10_000,
+    ray_actor_options={"num_cpus": 0},
+    logging_config=LoggingConfig(enable_access_log=False),
+)
 class WeightCoordinator:
     def __init__(self, initial_version: str, allowed_weight_paths: list[str], update_timeout_s: float):
         self.version = initial_version

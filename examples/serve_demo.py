@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import urllib.request
 from pathlib import Path
@@ -58,6 +59,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
 
+    # serve.shutdown() waits on the controller's `graceful_shutdown` until the controller kills
+    # itself, by design (ray/serve/_private/controller.py). Calls to the controller are retried
+    # forever (max_task_retries=-1), so Ray reports each one cut short to the driver as "(raylet)
+    # Task ServeController.graceful_shutdown failed. There are infinite retries remaining...",
+    # log_to_driver=False or not. This switch of Ray's (read by every process the cluster starts)
+    # drops only such notices of calls that will be retried; a call that fails for good still raises.
+    os.environ.setdefault("RAY_enable_output_error_log_if_still_retry", "0")
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         started = time.perf_counter()
