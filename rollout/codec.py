@@ -30,20 +30,29 @@ from rollout.errors import CodecError, short_repr
 
 TENSOR_MARKER = "__tensor__"
 _TENSOR_KEY = "t"
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+# The safetensors format's dtype names (its `Dtype`), for every file this project reads.
+SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "U16": torch.uint16,
+    "I16": torch.int16,
+    "U32": torch.uint32,
+    "I32": torch.int32,
+    "U64": torch.uint64,
+    "I64": torch.int64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
 }
-_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
-_ITEM_SIZES = {name: torch.empty((), dtype=dtype).element_size() for dtype, name in _SAFETENSORS_DTYPES.items()}
+# The dtypes a tensor envelope carries (SGLang's), by safetensors name.
+_ENVELOPE_DTYPE_NAMES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
+_TORCH_DTYPES = {name: SAFETENSORS_DTYPES[name] for name in _ENVELOPE_DTYPE_NAMES}
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
+_ITEM_SIZES = {name: dtype.itemsize for name, dtype in _TORCH_DTYPES.items()}
 _HEADER_LENGTH_BYTES = 8
 # A one-tensor header is about 100 bytes; safetensors allows 100 MB, which as JSON took 1.6 GB
 # and 3.8 s to refuse. This leaves room for a shape of any rank and some `__metadata__`.

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rollout.codec import SAFETENSORS_DTYPES
 from rollout.errors import WeightUpdateError, clip, short_repr
 
 # PEFT's default adapter name, so the served parameters have the names a trainer's adapter has.
@@ -49,23 +50,6 @@ _SAVED_ADAPTER_PREFIXES = ("base_model.model.", "transformer.")
 # it bounds what a file can make this process hold before anything in it is checked.
 MAX_SAFETENSORS_HEADER_BYTES = 16 * 2**20
 MAX_ADAPTER_CONFIG_BYTES = 2**20
-_SAFETENSORS_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "U16": torch.uint16,
-    "I16": torch.int16,
-    "U32": torch.uint32,
-    "I32": torch.int32,
-    "U64": torch.uint64,
-    "I64": torch.int64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-}
 # One answer for every path that cannot be opened as a checkpoint: a refusal must not tell whether
 # something exists where the caller cannot read.
 _UNREADABLE = "does not exist, cannot be read, or is not a regular file or directory"
@@ -476,9 +460,9 @@ def _stored_tensor(name: str, entry: object, fd: int, data_start: int, shown: st
         dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
     except (KeyError, TypeError, ValueError):
         raise _not_safetensors(shown, f"the entry of {shown_name} is not a dtype, a shape and data offsets") from None
-    dtype = _SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    dtype = SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
-        known = list(_SAFETENSORS_DTYPES)
+        known = list(SAFETENSORS_DTYPES)
         raise _not_safetensors(shown, f"{shown_name} has dtype {short_repr(dtype_name)}, not one of {known}")
     counts = [*shape, begin, end] if isinstance(shape, list) else None
     if counts is None or not all(type(count) is int and count >= 0 for count in counts) or begin > end:
