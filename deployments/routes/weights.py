@@ -95,10 +95,9 @@ class WeightRoutes:
         try:
             raw = await self.bodies.read(http_request)
             body = parse_body(WeightsChecksumRequest, raw or {})
-            _check_module_names(body.module_names)
+            per_replica = await self.get_weights_checksum(body.module_names)
         except RolloutError as error:
             return weights_refusal(error)
-        per_replica = await self.get_weights_checksum(body.module_names)
         # SGLang's answer is {module: checksum}; replicas that disagree are reported as such.
         agreed = {}
         for name in sorted({name for checksums in per_replica.values() for name in checksums}):
