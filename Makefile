@@ -20,4 +20,4 @@ test: setup
 # run` takes them; dotted keys set nested fields (make drops quotes, so a JSON value cannot pass).
 MODEL ?=
 serve: setup
-	$(PYTHON) scripts/serve_local.py $(if $(MODEL),--model "$(MODEL)") $(ARGS)
+	$(PYTHON) -m deployments serve $(if $(MODEL),--model "$(MODEL)") $(ARGS)

@@ -395,7 +395,7 @@ def main() -> None:
         "",
         "| command | answers | seconds to exit |",
         "|---|---|---|",
-        _ctrl_c_row("`make serve` (scripts/serve_local.py)", [sys.executable, "scripts/serve_local.py"]),
+        _ctrl_c_row("`make serve` (python -m deployments serve)", [sys.executable, "-m", "deployments", "serve"]),
         _ctrl_c_row(
             "`serve run --name rollout deployments.app:build_app`",
             [str(bin_dir / "serve"), "run", "--name", "rollout", "deployments.app:build_app"],

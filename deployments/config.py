@@ -106,7 +106,7 @@ class ModelConfig(BaseModel):
         return MicroBatching.parse(self.micro_batch_size or model_default, self.micro_batch_sizes)
 
 
-def _nest_dotted_keys(args: dict) -> dict:
+def nest_dotted_keys(args: dict) -> dict:
     """`args` with each dotted key's value moved under its parents; the caller's dicts are left as they were."""
     nested = {key: value for key, value in args.items() if not (isinstance(key, str) and "." in key)}
     for key, value in args.items():
@@ -256,7 +256,7 @@ class RolloutAppConfig(BaseModel):
         if isinstance(args, cls):
             return args
         try:
-            return cls.model_validate(_nest_dotted_keys(args or {}))
+            return cls.model_validate(nest_dotted_keys(args or {}))
         except ValidationError as error:
             problem = error.errors(include_url=False)[0]
             location = [str(part) for part in problem["loc"]]

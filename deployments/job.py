@@ -1,6 +1,6 @@
 """Job entrypoint: generates rollouts for a prompt file and writes them to disk.
 
-    ray job submit --working-dir . -- python -m deployments.job --prompts prompts.txt --output /data/rollouts
+    ray job submit --working-dir . -- python -m deployments job --prompts prompts.txt --output /data/rollouts
 
 Connects to the cluster's running rollout application (`--app-name`; it exits at once, naming
 the applications that do run, if there is none), sends the prompts in requests of `--prompts-per-request`
@@ -75,8 +75,8 @@ def job_requests(prompts: list[str], args: argparse.Namespace) -> list[RolloutRe
     ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=Path, required=True, help="text file, one prompt per line")
     parser.add_argument("--output", type=Path, required=True, help="directory for the shards and index.json")
     parser.add_argument("--app-name", default="rollout")

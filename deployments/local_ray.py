@@ -1,6 +1,6 @@
 """Starting a Ray cluster of one machine for the application (`make serve`, the tests).
 
-Ray runs a submitted job's entrypoint (`ray job submit -- python -m deployments.job ...`) in a
+Ray runs a submitted job's entrypoint (`ray job submit -- python -m deployments job ...`) in a
 shell whose `PATH` is the cluster's, that is the one of the process that started it. `make serve`
 runs the virtual environment's interpreter without activating the environment, so a job's
 `python` was the system's, which has no Ray ("No module named 'ray'"). Starting the cluster with

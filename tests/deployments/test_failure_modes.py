@@ -14,7 +14,7 @@ import ray
 import requests
 from ray import serve
 
-from benchmarks.reliability import ctrl_c, stop_with_requests_in_flight, terminate
+from benchmarks.reliability import stop_with_requests_in_flight, terminate
 from deployments.weights import ObjectStoreTensors
 from rollout.errors import NonFiniteOutputError, WeightUpdateError
 from rollout.models.registry import load_pipeline
@@ -180,13 +180,13 @@ def test_a_stopping_server_answers_every_request_in_flight(serve_app):
     assert len(answers) == 1
 
 
-@pytest.mark.parametrize("stop", [ctrl_c, terminate], ids=["ctrl-c", "sigterm"])
-def test_make_serve_answers_every_request_in_flight_when_stopped(stop):
-    """scripts/serve_local.py (`make serve`) on a Ray cluster of its own, stopped with requests in flight."""
+def test_make_serve_answers_every_request_in_flight_when_terminated():
+    """`python -m deployments serve` (`make serve`) on a Ray cluster of its own, sent SIGTERM with
+    requests in flight, as `docker stop` does (tests/test_readme.py sends `make serve` a Ctrl-C)."""
     long_request = {"prompt": ["1", "2"], "num_outputs_per_prompt": 16, "num_inference_steps": 40, "rollout_debug_mode": False}
     answers, exit_s = stop_with_requests_in_flight(
-        [sys.executable, "scripts/serve_local.py", "num_worker_replicas=1"],
-        stop,
+        [sys.executable, "-m", "deployments", "serve", "num_worker_replicas=1"],
+        terminate,
         [{**long_request, "seed": seed} for seed in range(3)],
     )
     # Every request is answered: with its samples if they were done in time, else with a retryable 503.

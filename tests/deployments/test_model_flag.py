@@ -1,5 +1,5 @@
-"""A model is one flag away (`make serve MODEL=...`, `scripts/serve_local.py --model`, `serve run
-... build_app model.path=...`), and a model that cannot be served stops the start with one line
+"""A model is one flag away (`make serve MODEL=...`, `python -m deployments serve --model`, `serve
+run ... build_app model.path=...`), and a model that cannot be served stops the start with one line
 naming the field, instead of replicas that Serve starts again and again."""
 
 import asyncio
@@ -51,12 +51,13 @@ def _last_line(text: str) -> str:
 
 @pytest.mark.parametrize(
     "arguments",
-    [["--model", "/no/such/model"], ["model.path=/no/such/model"]],
-    ids=["--model", "dotted key"],
+    # A dotted key alone: tests/deployments/test_cli.py, in this process.
+    [["--model", "/no/such/model"], ["--config", "deployments/serve_config.yaml", "model.path=/no/such/model"]],
+    ids=["--model", "config file and dotted key"],
 )
-def test_serve_local_with_a_missing_model_exits_at_once_with_one_line_naming_the_field(arguments):
+def test_the_cli_with_a_missing_model_exits_at_once_with_one_line_naming_the_field(arguments):
     result, took_s = _run(
-        [sys.executable, "scripts/serve_local.py", "--port", str(free_port()), *arguments], CONFIG_EXIT_TIMEOUT_S
+        [sys.executable, "-m", "deployments", "serve", "--port", str(free_port()), *arguments], CONFIG_EXIT_TIMEOUT_S
     )
     assert result.returncode == 1, result.stderr
     assert _last_line(result.stderr) == (
@@ -76,7 +77,7 @@ def test_serve_run_with_a_missing_model_prints_one_line_not_a_traceback():
     assert "Traceback" not in result.stderr
 
 
-def test_make_serve_passes_model_to_serve_local():
+def test_make_serve_passes_model_to_the_cli():
     result = subprocess.run(
         ["make", "-n", "serve", "MODEL=/models/x y", "ARGS=model.dtype=bfloat16"],
         check=False,
@@ -84,7 +85,7 @@ def test_make_serve_passes_model_to_serve_local():
         capture_output=True,
         text=True,
     )
-    assert 'scripts/serve_local.py --model "/models/x y" model.dtype=bfloat16' in result.stdout, result.stdout
+    assert '-m deployments serve --model "/models/x y" model.dtype=bfloat16' in result.stdout, result.stdout
 
 
 # Python calls the garbage-collected object's async __del__ too, and drops the coroutine; Serve awaits it.
@@ -100,13 +101,15 @@ def test_a_tiny_family_directory_is_served_by_its_path_alone(tiny_family_dirs):
         assert resolve_model(config.model.name, config.model.path) == (family, Path(directory))
 
 
-def test_serve_local_exits_with_the_cause_when_no_worker_replica_can_load_the_model():
+def test_the_cli_exits_with_the_cause_when_no_worker_replica_can_load_the_model():
     # check_path_at_build=false leaves the directory to the workers, as on a cluster whose GPU
     # nodes alone hold it: their constructors fail, and Serve must give up after one try each.
     result, took_s = _run(
         [
             sys.executable,
-            "scripts/serve_local.py",
+            "-m",
+            "deployments",
+            "serve",
             "--port",
             str(free_port()),
             f"probe_port={free_port()}",

@@ -1,0 +1,3 @@
+from deployments.cli import main
+
+main()

@@ -1,0 +1,273 @@
+"""`python -m deployments`: the application's command line.
+
+    python -m deployments serve                                   # embedded model, 127.0.0.1:8000 (make serve)
+    python -m deployments serve --model /models/x model.dtype=bfloat16
+    python -m deployments serve --config deployments/serve_config.yaml num_worker_replicas=1
+    python -m deployments job --prompts examples/prompts.txt --output "$PWD/outputs/rollouts"
+    python -m deployments info                                    # what is served, from /rollout/info
+    python -m deployments health                                  # the probe port's /health; exit 1 unless 200
+
+`serve` takes the app config as `serve run` and the Serve config file do: `FIELD=VALUE` arguments
+(dotted keys set nested fields) over the `args` of the file's one application. Unlike `serve run`,
+it stops with one line and exit status 1 when the application cannot start, and on Ctrl-C or
+SIGTERM it answers every request in flight before it stops: with its samples if they are done
+within half of `graceful_shutdown_timeout_s`, else with a retryable 503. `info` and `health` send
+`ROLLOUT_AUTH_TOKEN`, when set, as the bearer token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+# Ray's switch for a cluster of one machine (named for the platforms where it is the default): the
+# node's IP is 127.0.0.1, so Ray's servers listen on loopback. Ray reads it when it is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# serve.shutdown() cuts the controller's graceful_shutdown call short by design, and Ray reports
+# every such call as "failed ... will be retried" on the terminal: a notice about nothing.
+os.environ.setdefault("RAY_enable_output_error_log_if_still_retry", "0")
+
+import click  # noqa: E402
+import yaml  # noqa: E402  (Ray's own dependency, which reads Serve config files)
+
+from deployments.config import AppConfigError, RolloutAppConfig, nest_dotted_keys  # noqa: E402
+
+HTTP_HOST, HTTP_PORT, PROBE_PORT = "127.0.0.1", 8000, 8001
+# A traceback's last line: "rollout.errors.ModelLoadError: model.path: ..." (the class without its module).
+EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(?P<name>\w+): (?P<message>.+)$")
+ANSWER_TIMEOUT_S = 10.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m deployments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,job,info,health}")
+
+    serve = commands.add_parser("serve", help="serve the application on this machine until Ctrl-C")
+    serve.add_argument("--model", metavar="PATH", help="local diffusers directory to serve (model.path)")
+    serve.add_argument("--config", metavar="FILE", type=Path, help="a Serve config file: its application's args")
+    serve.add_argument("--host", help=f"Serve's HTTP host (the file's http_options, else {HTTP_HOST})")
+    serve.add_argument("--port", type=int, help=f"Serve's HTTP port (the file's http_options, else {HTTP_PORT})")
+    serve.add_argument("fields", nargs="*", metavar="FIELD=VALUE", help="app config fields: model.dtype=bfloat16")
+
+    commands.add_parser(
+        "job", help="write rollouts of a prompt file to disk (python -m deployments job --help)", add_help=False
+    )
+
+    for name, default, what in (
+        ("info", f"http://{HTTP_HOST}:{HTTP_PORT}", "the model, weights and limits served (GET /rollout/info)"),
+        ("health", f"http://{HTTP_HOST}:{PROBE_PORT}", "readiness (GET /health); exit 0 only if ready"),
+    ):
+        command = commands.add_parser(name, help=what)
+        command.add_argument("--url", default=default, help=f"the server's base URL ({default})")
+        command.add_argument("--json", action="store_true", help="print the whole answer as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["job"]:  # the job's own parser reads its arguments, --help included
+        from deployments import job
+
+        return job.main(argv[1:], prog="python -m deployments job")
+    arguments = _parser().parse_args(argv)
+    if arguments.command == "serve":
+        return serve(arguments)
+    return show(arguments.command, arguments.url, as_json=arguments.json)
+
+
+# serve
+
+
+def app_config(arguments: argparse.Namespace) -> tuple[RolloutAppConfig, dict]:
+    """The app config and HTTP options the arguments give, or SystemExit with one line naming the field."""
+    args, http_options = {}, {}
+    if arguments.config is not None:
+        args, http_options = _serve_config_file(arguments.config)
+    try:
+        fields = nest_dotted_keys(_key_values(arguments.fields))
+    except AppConfigError as error:
+        raise SystemExit(f"arguments: {error}") from None
+    if arguments.model is not None:
+        if "path" in fields.get("model", {}):
+            raise SystemExit("arguments: --model and model.path= both set the model's directory: give one")
+        fields.setdefault("model", {})["path"] = arguments.model
+    if "path" in fields.get("model", {}) and "name" in args.get("model", {}) and "name" not in fields["model"]:
+        # The path names the family; the file's embedded model name would contradict it.
+        args = {**args, "model": {k: v for k, v in args["model"].items() if k != "name"}}
+    try:
+        config = RolloutAppConfig.parse(_merged({"probe_port": PROBE_PORT, **args}, fields))
+    except AppConfigError as error:
+        raise SystemExit(f"app config: {error}") from None
+    host = arguments.host or http_options.get("host", HTTP_HOST)
+    port = arguments.port or http_options.get("port", HTTP_PORT)
+    return config, {"host": host, "port": port}
+
+
+def _key_values(fields: list[str]) -> dict:
+    from ray.serve.scripts import convert_args_to_dict  # serve run's own key=value parsing
+
+    try:
+        return convert_args_to_dict(tuple(fields))
+    except click.ClickException as error:
+        raise SystemExit(f"arguments: {error.message}") from None
+
+
+def _serve_config_file(path: Path) -> tuple[dict, dict]:
+    """(args, http_options) of the one application of a Serve config file."""
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise SystemExit(f"--config {path}: {type(error).__name__}: {error}") from None
+    applications = config.get("applications") if isinstance(config, dict) else None
+    if not isinstance(applications, list) or len(applications) != 1 or not isinstance(applications[0], dict):
+        raise SystemExit(f"--config {path}: applications: expected a list of one application")
+    import_path = applications[0].get("import_path")
+    if import_path != "deployments.app:build_app":
+        raise SystemExit(
+            f"--config {path}: applications[0].import_path: expected deployments.app:build_app, got {import_path!r}"
+        )
+    args = applications[0].get("args") or {}
+    name = applications[0].get("name")
+    if name is not None:
+        args = {"app_name": name, **args}
+    return args, config.get("http_options") or {}
+
+
+def _merged(base: dict, overrides: dict) -> dict:
+    merged = dict(base)
+    for key, value in overrides.items():
+        merged[key] = (
+            _merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        )
+    return merged
+
+
+def _stop_as_on_ctrl_c(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _failure_cause(app_name: str, error: RuntimeError) -> str:
+    """The exception that failed each deployment of `app_name`, one line: serve.run's error only names
+    the deployments, and each one's status holds the replica's whole traceback, the exception last."""
+    from ray import serve
+    from ray.serve.schema import DeploymentStatus
+
+    causes = []
+    for name, deployment in serve.status().applications[app_name].deployments.items():
+        if deployment.status == DeploymentStatus.DEPLOY_FAILED:
+            raised = [match for line in deployment.message.splitlines() if (match := EXCEPTION_LINE.match(line))]
+            cause = f"{raised[-1]['name']}: {raised[-1]['message']}" if raised else deployment.message
+            causes.append(f"{name}: {cause}")
+    return "; ".join(causes) or str(error)
+
+
+def serve(arguments: argparse.Namespace) -> None:
+    config, http_options = app_config(arguments)
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.local_ray import start_local_ray
+
+    start_local_ray()
+    # `docker stop` and Kubernetes stop the main process with SIGTERM, on which Ray's driver
+    # handler would just exit: answer the requests in flight then too.
+    signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
+    try:
+        serve.start(http_options=http_options)
+        try:
+            ingress = serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        except RuntimeError as error:  # what serve.run raises for an application that failed to deploy
+            cause = _failure_cause(config.app_name, error)
+            raise SystemExit(f"application {config.app_name!r} failed to start: {cause}") from None
+        probes = (
+            "no probe port" if config.probe_port is None else f"probes: http://{config.probe_host}:{config.probe_port}"
+        )
+        url = f"http://{http_options['host']}:{http_options['port']}"
+        model = f"{config.model.label()} ({config.model.path or 'packaged weights'})"
+        # Its Ray address is what a driver or `ray job submit` needs (RAY_ADDRESS) where other clusters run too.
+        ray_address = ray.get_runtime_context().gcs_address
+        print(
+            f"serving application {config.app_name!r}, model {model}, on {url} ({probes}), Ray at {ray_address}; "
+            "Ctrl-C stops it",
+            flush=True,
+        )
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            # serve.shutdown() alone kills the HTTP proxy at once, dropping every request in flight;
+            # deleting the application first lets its replicas answer them through the proxy, and
+            # stop_serving makes the ingress answer what would not finish in time with a 503.
+            ingress.stop_serving.remote().result()
+            serve.delete(config.app_name)
+    except KeyboardInterrupt:
+        pass  # while starting: nothing is in flight
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+# info, health
+
+
+def fetch_json(url: str) -> tuple[int, dict]:
+    """(status, JSON body) of a GET, with the bearer token from ROLLOUT_AUTH_TOKEN; SystemExit with
+    one line when nothing answers or the answer is not JSON."""
+    headers = {"Accept": "application/json"}
+    if token := os.environ.get("ROLLOUT_AUTH_TOKEN"):
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=ANSWER_TIMEOUT_S) as answer:
+            status, body = answer.status, answer.read()
+    except urllib.error.HTTPError as error:
+        status, body = error.code, error.read()
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+        reason = getattr(error, "reason", error)
+        raise SystemExit(f"{url}: no answer ({reason}); is the server running (make serve)?") from None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        raise SystemExit(f"{url}: {status}, not JSON: {body[:200]!r}") from None
+
+
+def show(command: str, base_url: str, *, as_json: bool) -> None:
+    url = base_url.rstrip("/") + ("/rollout/info" if command == "info" else "/health")
+    status, body = fetch_json(url)
+    if status == 401:
+        raise SystemExit(f"{url}: 401: set ROLLOUT_AUTH_TOKEN to the server's token")
+    if as_json:
+        print(json.dumps(body, indent=2))
+    elif command == "info" and status == 200:
+        print(_info_lines(body))
+    elif status == 200:
+        print(f"ready: {body['worker_replicas_running']} worker replica(s) running")
+    if status != 200:
+        detail = body.get("reason") or body.get("detail") or body
+        raise SystemExit(f"{url}: {status}: {detail}")
+
+
+def _info_lines(info: dict) -> str:
+    sizes, limits = info["image_size_limits"], info["limits"]
+    replicas = info["replica_weight_versions"]
+    return "\n".join(
+        [
+            f"model: {info['model']} ({info['pipeline_class']}, {info['dtype']}, on {info['device']}) from {info['model_path']}",
+            f"weights: {info['weight_version']}, on {len(replicas)} worker replica(s)",
+            f"scheduler: {info['scheduler']['class_name']}",
+            (
+                f"image sizes: multiples of {sizes['multiple_of']} up to {info['max_image_size']}, "
+                f"default {info['default_height']}x{info['default_width']}"
+            ),
+            f"per request: up to {limits['max_samples_per_request']} samples and {limits['max_inference_steps']} steps",
+        ]
+    )

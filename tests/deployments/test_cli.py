@@ -1,0 +1,145 @@
+"""`python -m deployments`: the app config its `serve` builds from a Serve config file and
+arguments, and what `info` and `health` print, with no Ray (the README test runs them served)."""
+
+import http.server
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from deployments import cli
+from tests.deployments.apps import free_port
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+SERVE_CONFIG = REPOSITORY / "deployments/serve_config.yaml"
+
+
+def serve_arguments(*argv: str):
+    return cli._parser().parse_args(["serve", *argv])
+
+
+def test_serve_takes_the_config_files_application_args_under_the_arguments(tiny_family_dirs):
+    directory = tiny_family_dirs["flux"]
+    config, http_options = cli.app_config(
+        serve_arguments(
+            "--config",
+            str(SERVE_CONFIG),
+            "--model",
+            str(directory),
+            "num_worker_replicas=1",
+            "limits.max_inference_steps=50",
+        )
+    )
+    assert http_options == {"host": "127.0.0.1", "port": 8000}
+    assert config.app_name == "rollout" and config.probe_port == 8001
+    # The file's embedded model name gives way to the directory, whose model_index.json names the family.
+    assert config.model.path == str(directory) and config.model.label() == "flux"
+    assert config.num_worker_replicas == 1 and config.worker_num_cpus == 0.5
+    # A nested field set by a dotted key keeps the file's other fields beside it.
+    assert config.limits.max_inference_steps == 50 and config.limits.max_outputs_per_prompt == 64
+
+
+def test_serve_without_a_file_is_make_serves_defaults():
+    config, http_options = cli.app_config(serve_arguments("--port", "8123"))
+    assert http_options == {"host": "127.0.0.1", "port": 8123}
+    assert config.probe_port == 8001 and config.model.label() == "embedded-digits" and config.model.path is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("applications: []\n", "applications: expected a list of one application"),
+        (
+            "applications:\n  - import_path: other.app:build\n",
+            "applications[0].import_path: expected deployments.app:build_app",
+        ),
+        ("applications: [\n", "ParserError"),
+    ],
+)
+def test_a_config_file_that_is_not_one_rollout_application_is_one_line(tmp_path, text, message):
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as stopped:
+        cli.app_config(serve_arguments("--config", str(path)))
+    assert str(stopped.value).startswith(f"--config {path}: ") and message in str(stopped.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "/m", "model.path=/n"], "arguments: --model and model.path= both set the model's directory"),
+        (["num_worker_replicas=0"], "app config: num_worker_replicas: "),
+        (["model.path=/no/such/model"], "app config: model.path: /no/such/model is not a directory: it does not exist"),
+        (["model.dtype"], "arguments: "),
+    ],
+)
+def test_bad_arguments_are_one_line_naming_the_field(argv, message):
+    with pytest.raises(SystemExit) as stopped:
+        cli.app_config(serve_arguments(*argv))
+    assert str(stopped.value).startswith(message) and "\n" not in str(stopped.value)
+
+
+class Answering(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with the class's status and JSON body, and records the Authorization header."""
+
+    status, body, authorization = 200, {}, []
+
+    def do_GET(self):
+        type(self).authorization.append(self.headers.get("Authorization"))
+        payload = json.dumps(self.body).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def answering():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Answering)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Answering.authorization = []
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def base_url(server) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_health_prints_ready_and_sends_the_token(answering, monkeypatch, capsys):
+    monkeypatch.setenv("ROLLOUT_AUTH_TOKEN", "s3cret")
+    Answering.status, Answering.body = 200, {"status": "ok", "worker_replicas_running": 2}
+    cli.main(["health", "--url", base_url(answering)])
+    assert capsys.readouterr().out == "ready: 2 worker replica(s) running\n"
+    assert Answering.authorization == ["Bearer s3cret"]
+
+
+def test_health_exits_1_with_the_reason_when_not_ready(answering):
+    Answering.status, Answering.body = 503, {"status": "unhealthy", "reason": "no worker replica is running"}
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["health", "--url", base_url(answering)])
+    assert str(stopped.value) == f"{base_url(answering)}/health: 503: no worker replica is running"
+
+
+def test_a_refused_token_says_which_variable_to_set(answering, monkeypatch):
+    monkeypatch.delenv("ROLLOUT_AUTH_TOKEN", raising=False)
+    Answering.status, Answering.body = 401, {"detail": "missing bearer token"}
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["info", "--url", base_url(answering)])
+    assert (
+        str(stopped.value) == f"{base_url(answering)}/rollout/info: 401: set ROLLOUT_AUTH_TOKEN to the server's token"
+    )
+    assert Answering.authorization == [None]
+
+
+def test_no_server_is_one_line_that_says_to_start_one():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["info", "--url", url])
+    assert str(stopped.value).startswith(f"{url}/rollout/info: no answer (") and "make serve" in str(stopped.value)
