@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 logger = logging.getLogger("ray.serve")
 
@@ -251,7 +252,10 @@ class Follower:
                     last_seq = posted.seq
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the coordinator restarting, say: keep following
+            except RayActorError as error:  # restarting, or stopping with the application: no traceback to read
+                logger.warning("the weight coordinator is unavailable (%s); following it again in 1 s", type(error).__name__)
+                await asyncio.sleep(1.0)
+            except Exception:
                 logger.exception("following the coordinator failed; retrying")
                 await asyncio.sleep(1.0)
 

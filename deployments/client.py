@@ -39,7 +39,7 @@ def get_or_deploy_app(app_name: str, config: dict | None = None) -> DeploymentHa
     except ApplicationNotFoundError:
         print(f"no application {app_name!r} is running; deploying one")
         app = build_app({**(config or {}), "app_name": app_name})
-        return serve.run(app, name=app_name, route_prefix=f"/{app_name}")
+        return serve.run(app, name=app_name, route_prefix="/")  # where make serve serves it
 
 
 def push_weights(

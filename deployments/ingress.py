@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments import ray_private
 from deployments.auth import require_bearer_token
 from deployments.bodies import BodyReader
 from deployments.config import RolloutAppConfig
@@ -48,11 +49,20 @@ class RolloutIngress(*CONCERNS):
         self._probes = None if config.probe_port is None else ProbeServer(config.probe_host, config.probe_port, self.probe)
         # `serve run config.yaml` says nothing after "Submitted deploy config successfully.": this is
         # the line in its terminal that says what is served (Serve prints replicas' logs there).
+        self._announced = asyncio.create_task(self._announce())
+
+    async def _announce(self) -> None:
+        config = self.config
+        try:
+            url = await asyncio.to_thread(ray_private.application_url, config.app_name)
+        except Exception:  # the line is a courtesy: a controller that cannot answer now must not fail the replica
+            logger.exception("reading the application's URL from Serve's controller failed")
+            url = None
         model = config.model.label() + ("" if config.model.path is None else f" from {config.model.path}")
         probes = "no probe port" if config.probe_port is None else f"probes on http://{config.probe_host}:{config.probe_port}"
         logger.info(
-            "rollout app %r up: model %s, %d worker replica(s); %s (/health answers 200 once a worker runs)",
-            config.app_name, model, config.num_worker_replicas, probes,
+            "rollout app %r up on %s: model %s, %d worker replica(s); %s (/health answers 200 once a worker runs)",
+            config.app_name, url or "no HTTP route", model, config.num_worker_replicas, probes,
         )
 
     def __del__(self):

@@ -31,3 +31,17 @@ def pending_request_by_id(router: RequestRouter, request_metadata: Any) -> Pendi
 # `FIFOMixin` asks this method (by this name) which pending request a replica found for
 # `request_metadata` goes to; `FewestSamplesRouter` overrides it.
 FIFO_PENDING_REQUEST_HOOK = "_get_pending_request_matching_metadata"
+
+
+def application_url(app_name: str) -> str | None:
+    """The URL Serve's HTTP proxy serves `app_name` at (`http://127.0.0.1:8000/`), or None where it
+    serves no HTTP or no route to it. Blocks on the controller: call it off the event loop.
+    (`serve.context._get_global_client`, whose `root_url` and `get_serve_details` the dashboard uses.)
+    """
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    prefix = client.get_serve_details().get("applications", {}).get(app_name, {}).get("route_prefix")
+    if not client.root_url or prefix is None:
+        return None
+    return client.root_url.rstrip("/") + prefix

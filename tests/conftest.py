@@ -42,3 +42,10 @@ def tiny_family_dirs(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("families")
     return {name: build(root / name) for name, build in FAMILY_BUILDERS.items()}
+
+
+def pytest_collection_modifyitems(items):
+    """The README test first: it runs the README's commands against `make serve` as on a reader's
+    machine, with the only Ray cluster there is (two local clusters share Ray's fixed dashboard-agent
+    port, so the second one's jobs API cannot submit, and Ray's CLI asks which cluster to use)."""
+    items.sort(key=lambda item: item.path.name != "test_readme.py")

@@ -40,3 +40,9 @@ def test_ray_is_within_the_range_pyproject_pins():
     low, high = (tuple(int(part) for part in bound.split(".")) for bound in pinned.groups())
     installed = tuple(int(part) for part in importlib.metadata.version("ray").split(".")[:3])
     assert low <= installed < high, (installed, pinned.groups())
+
+
+def test_the_serve_client_still_gives_the_root_url_and_each_applications_route(serve_app, app_config):
+    _, base_url = serve_app
+    assert ray_private.application_url(app_config["app_name"]) == base_url + "/"
+    assert ray_private.application_url("no-such-application") is None
