@@ -146,7 +146,15 @@ def test_beyond_its_queue_the_handle_raises_a_typed_error(small_queue):
     refused = [o for o in outcomes if isinstance(o, OverloadedError)]
     assert len(refused) == 1 and 8 in outcomes, outcomes
     assert "max_queued_samples" in str(refused[0]) and refused[0].retry_after_s == 1
-    assert len(small_queue.handle.generate.remote(body).result().batch().samples) == 8
+    # Sent again as the error says, it is served: the first request's samples stop counting once the
+    # ingress has seen its worker answer, which can come a moment after the trainer fetched them.
+    for attempt in range(5):
+        try:
+            assert len(small_queue.handle.generate.remote(body).result().batch().samples) == 8
+            break
+        except OverloadedError as error:
+            assert attempt < 4, error
+            time.sleep(error.retry_after_s)
 
 
 @ray.remote(num_cpus=0)
