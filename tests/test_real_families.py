@@ -14,6 +14,7 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
+from rollout.calibration import calibrate
 from rollout.errors import InvalidRequestError, ModelLoadError
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline, resolve_model
@@ -181,7 +182,22 @@ def test_replay_equals_the_rollout_exactly(pipelines, family, dtype, guided):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_sample_is_the_same_alone_and_in_a_batch(pipelines, family):
-    pipeline = pipelines(family)
+    assert_batch_invariant(pipelines(family), family)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_calibrated_micro_batch_is_the_smallest_near_the_best_time_per_row_and_keeps_invariance(pipelines, family):
+    candidates = (1, 2, 4)
+    calibration = calibrate(pipelines(family), SIZE, SIZE, candidates, guidance(family, True)[0], repeats=1)
+    per_row = calibration.seconds_per_row
+    assert set(per_row) == set(candidates) and calibration.size_key == f"{SIZE}x{SIZE}"
+    within = [c for c in candidates if per_row[c] <= min(per_row.values()) * 1.05]
+    assert calibration.chosen == min(within)
+    # Three samples padded to the chosen size (the transformer and the VAE), against one alone.
+    assert_batch_invariant(pipelines(family, micro_batch_size=calibration.chosen), family)
+
+
+def assert_batch_invariant(pipeline, family: str) -> None:
     fields, _ = guidance(family, True)
     options = SamplingOptions(num_inference_steps=2, height=SIZE, width=SIZE, debug=True, **fields)
     alone = sample(pipeline, ["a cat"], [7], options).samples[0]

@@ -11,7 +11,7 @@ Three rules hold for every family, so that a sample's bits never depend on its b
 - Each distinct prompt is encoded alone (text encoders and their padding differ by ULPs with
   the batch size) and padded to a fixed length.
 - The transformer runs on micro-batches of a fixed size (`MicroBatching`); the sampler pads.
-- Each image is decoded alone.
+- The VAE decodes micro-batches of the same fixed size (padded).
 Latents between steps and all transition math stay fp32 whatever the weights' dtype; the
 transformer gets its inputs cast to the weights' dtype and its output is cast back.
 """
@@ -244,12 +244,18 @@ class DiffusersFamily:
         return output[0].float()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images of `(B, *latent_shape)` latents, decoded in calls of exactly the micro-batch size for
+        their image size (the last one padded with zeros), so that, as for the transformer, an image's
+        bits do not depend on what it was decoded with, and B images take B / micro-batch calls."""
+        batch_size, _, latent_height, latent_width = latents.shape
+        rows = self.micro_batching.size_for(latent_height * self.vae_scale_factor, latent_width * self.vae_scale_factor)
+        padded = torch.cat([latents, latents.new_zeros((-batch_size % rows, *latents.shape[1:]))]).to(self.vae.dtype)
         with torch.no_grad():
-            images = [self.decode_latents(latents[i : i + 1].to(self.vae.dtype)) for i in range(latents.shape[0])]
-        return self.pipe.image_processor.postprocess(torch.cat(images), output_type="pt").float()
+            images = [self.decode_latents(padded[start : start + rows]) for start in range(0, len(padded), rows)]
+        return self.pipe.image_processor.postprocess(torch.cat(images)[:batch_size], output_type="pt").float()
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """The VAE's image in [-1, 1] for one sample's latents `(1, *latent_shape)`."""
+        """The VAE's images in [-1, 1] for latents `(n, *latent_shape)`."""
         config = self.vae.config
         return self.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
 
