@@ -6,13 +6,16 @@
     python -m deployments job --prompts examples/prompts.txt --output "$PWD/outputs/rollouts"
     python -m deployments info                                    # what is served, from /rollout/info
     python -m deployments health                                  # the probe port's /health; exit 1 unless 200
+    python -m deployments calibrate --model /models/x --size 1024x1024 --write deployments/serve_config_gpu.yaml
 
 `serve` takes the app config as `serve run` and the Serve config file do: `FIELD=VALUE` arguments
 (dotted keys set nested fields) over the `args` of the file's one application. Unlike `serve run`,
 it stops with one line and exit status 1 when the application cannot start, and on Ctrl-C or
 SIGTERM it answers every request in flight before it stops: with its samples if they are done
 within half of `graceful_shutdown_timeout_s`, else with a retryable 503. `info` and `health` send
-`ROLLOUT_AUTH_TOKEN`, when set, as the bearer token.
+`ROLLOUT_AUTH_TOKEN`, when set, as the bearer token. `calibrate` times the model's transformer
+call at each candidate micro-batch size on this machine (`rollout.calibration`) and prints, or
+writes into a Serve config file's application args, the `model.micro_batch_sizes` it picks.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import click  # noqa: E402
 import yaml  # noqa: E402  (Ray's own dependency, which reads Serve config files)
 
 from deployments.config import AppConfigError, RolloutAppConfig, nest_dotted_keys  # noqa: E402
+from rollout.calibration import DEFAULT_CANDIDATES  # noqa: E402
 
 HTTP_HOST, HTTP_PORT, PROBE_PORT = "127.0.0.1", 8000, 8001
 # A traceback's last line: "rollout.errors.ModelLoadError: model.path: ..." (the class without its module).
@@ -50,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m deployments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,job,info,health}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,job,info,health,calibrate}")
 
     serve = commands.add_parser("serve", help="serve the application on this machine until Ctrl-C")
     serve.add_argument("--model", metavar="PATH", help="local diffusers directory to serve (model.path)")
@@ -70,6 +74,21 @@ def _parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=what)
         command.add_argument("--url", default=default, help=f"the server's base URL ({default})")
         command.add_argument("--json", action="store_true", help="print the whole answer as JSON")
+
+    calibrate = commands.add_parser("calibrate", help="measure and pick the micro-batch size per image size")
+    calibrate.add_argument("--model", metavar="PATH", help="local diffusers directory (default: the embedded model)")
+    calibrate.add_argument("--size", action="append", metavar="HxW", help="image size to calibrate (repeatable)")
+    calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    calibrate.add_argument("--candidates", type=int, nargs="+", default=list(DEFAULT_CANDIDATES))
+    calibrate.add_argument("--guidance-scale", type=float, help="the requests' guidance_scale (CFG doubles the rows)")
+    calibrate.add_argument("--true-cfg-scale", type=float, help="the requests' true_cfg_scale")
+    calibrate.add_argument("--repeats", type=int, default=3, help="timed calls per candidate; the fastest counts")
+    calibrate.add_argument(
+        "--write",
+        metavar="FILE",
+        type=Path,
+        help="set model.micro_batch_sizes in this Serve config file (drops its comments)",
+    )
     return parser
 
 
@@ -82,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     arguments = _parser().parse_args(argv)
     if arguments.command == "serve":
         return serve(arguments)
+    if arguments.command == "calibrate":
+        return calibrate(arguments)
     return show(arguments.command, arguments.url, as_json=arguments.json)
 
 
@@ -215,6 +236,59 @@ def serve(arguments: argparse.Namespace) -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+# calibrate
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    height, _, width = text.partition("x")
+    if not (height.isdigit() and width.isdigit()):
+        raise SystemExit(f"--size: expected HEIGHTxWIDTH such as 1024x1024, got {text!r}")
+    return int(height), int(width)
+
+
+def calibrate(arguments: argparse.Namespace) -> None:
+    import torch
+
+    from rollout.calibration import calibrate as measure
+    from rollout.errors import RolloutError
+    from rollout.models.registry import load_pipeline
+
+    sizes = [_image_size(text) for text in arguments.size or []]
+    guidance = {
+        name: value
+        for name, value in (("guidance_scale", arguments.guidance_scale), ("true_cfg_scale", arguments.true_cfg_scale))
+        if value is not None
+    }
+    try:
+        pipeline = load_pipeline(None, arguments.model, dtype=getattr(torch, arguments.dtype))
+        sizes = sizes or [(pipeline.default_height, pipeline.default_width)]
+        results = [
+            measure(pipeline, h, w, tuple(arguments.candidates), guidance, repeats=arguments.repeats) for h, w in sizes
+        ]
+    except (RolloutError, ValueError) as error:
+        raise SystemExit(f"calibrate: {error}") from None
+    candidates = sorted(set(arguments.candidates))
+    print(f"{pipeline.name}, {arguments.dtype}, on {pipeline.device}: ms per row of a full transformer call")
+    print("| size | " + " | ".join(map(str, candidates)) + " | chosen |")
+    print("|---" * (len(candidates) + 2) + "|")
+    for result in results:
+        per_row = " | ".join(f"{result.seconds_per_row[c] * 1e3:.2f}" for c in candidates)
+        print(f"| {result.size_key} | {per_row} | {result.chosen} |")
+    table = {result.size_key: result.chosen for result in results}
+    print(f"model.micro_batch_sizes: {json.dumps(table)}")
+    if arguments.write is not None:
+        _write_micro_batch_sizes(arguments.write, table)
+        print(f"wrote them into {arguments.write}")
+
+
+def _write_micro_batch_sizes(path: Path, table: dict[str, int]) -> None:
+    _serve_config_file(path)  # one rollout application, or one line saying what is wrong
+    config = yaml.safe_load(path.read_text())
+    model = config["applications"][0].setdefault("args", {}).setdefault("model", {})
+    model["micro_batch_sizes"] = {**(model.get("micro_batch_sizes") or {}), **table}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
 # info, health

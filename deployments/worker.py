@@ -23,7 +23,7 @@ from rollout.errors import InvalidRequestError, NonFiniteOutputError, RolloutErr
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.plan import SamplingWork
-from rollout.sampler import micro_batch_size, resolve_options, sample
+from rollout.sampler import micro_batch_size, resolve_options, sample, transformer_rows
 from rollout.trajectory import RolloutBatch
 from rollout.weights import weights_layout
 
@@ -38,6 +38,8 @@ class WorkerResult:
     Attributes:
         batch: the work's samples, all referring to one schedule object.
         sampler_batch_size: samples in the sampler call that produced them (shows batching).
+        transformer_rows: rows the transformer computed in that call, its padding included: the
+            padding is what exceeds `sampler_batch_size` times the steps.
         inference_time_s: wall time of that sampler call.
         peak_memory_mb: peak accelerator memory allocated during that call; None on the CPU.
         replica: the worker replica that sampled them.
@@ -46,6 +48,7 @@ class WorkerResult:
 
     batch: RolloutBatch
     sampler_batch_size: int
+    transformer_rows: int
     inference_time_s: float
     peak_memory_mb: float | None
     replica: str
@@ -184,6 +187,7 @@ class RolloutWorker:
                 results[i] = error
             return results
         elapsed = time.perf_counter() - start
+        rows = transformer_rows(self.pipeline, batch.options, len(seeds))
         offset = 0
         for i, work in zip(servable, group):
             part = batch.subset(range(offset, offset + len(work)))
@@ -194,7 +198,7 @@ class RolloutWorker:
                 logger.warning("request refused its samples: %s", error)
                 results[i] = error
                 continue
-            results[i] = WorkerResult(part, len(seeds), elapsed, peak_memory_mb, self.replica, self.node_id)
+            results[i] = WorkerResult(part, len(seeds), rows, elapsed, peak_memory_mb, self.replica, self.node_id)
         served_nothing = all(isinstance(results[i], NonFiniteOutputError) for i in servable)
         self._failed_calls_in_a_row = self._failed_calls_in_a_row + 1 if served_nothing else 0
         return results

@@ -41,6 +41,14 @@ def micro_batch_size(pipeline: RolloutPipeline, options: SamplingOptions) -> int
     return pipeline.micro_batching.size_for(options.height, options.width)
 
 
+def transformer_rows(pipeline: RolloutPipeline, options: SamplingOptions, batch_size: int) -> int:
+    """Rows the transformer computes to sample `batch_size` samples with `options` (defaults filled
+    in): every step's calls, each padded to the micro-batch. Against `batch_size` times the steps,
+    the rest is padding. (Classifier-free guidance doubles each call's rows inside the model.)"""
+    rows = micro_batch_size(pipeline, options)
+    return options.num_inference_steps * -(-batch_size // rows) * rows
+
+
 def pad_conditioning(conditioning: Conditioning, micro_batch_size: int) -> Conditioning:
     """Pads to a multiple of `micro_batch_size` rows by repeating the last row."""
     missing = -len(conditioning) % micro_batch_size

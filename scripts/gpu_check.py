@@ -13,7 +13,10 @@ trains (SD3.5-Medium: CFG 4.5; FLUX.1-dev: its embedded guidance 3.5):
   not with the samples);
 - the largest |log-prob difference| between the rollout and its replay, in bf16;
 - the largest |difference| of final latents between the rollout's ODE path (fp32 latents) and
-  `pipeline(..., output_type="latent")` (latents re-cast to bf16 every step).
+  `pipeline(..., output_type="latent")` (latents re-cast to bf16 every step);
+- the micro-batch calibration (`rollout.calibration`: time per row at each candidate size), and
+  with the size it picks, samples/s of the rollout and of `pipeline(...)` at 1, 8, 16 and 64
+  samples (two interleaved rounds each, the faster counts).
 
     python scripts/gpu_check.py --families sd3 flux --out docs/gpu_check.json
     python scripts/gpu_check.py --tiny     # the same code on the tiny copies, on the CPU (tested)
@@ -37,6 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from rollout.calibration import calibrate  # noqa: E402
 from rollout.models.base import MicroBatching  # noqa: E402
 from rollout.models.flux import FluxFamily  # noqa: E402
 from rollout.models.sd3 import StableDiffusion3Family  # noqa: E402
@@ -46,6 +50,8 @@ from rollout.sampler import sample  # noqa: E402
 from rollout.transitions import TransitionKind  # noqa: E402
 
 GROUP = 8
+BATCH_SIZES = (1, 8, 16, 64)
+MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16, 32)
 PROMPT = "a photo of a corgi wearing a red scarf, sitting on a wooden bench in a park"
 
 
@@ -160,7 +166,9 @@ def measured(device: str, fn):
     return result, seconds, peak
 
 
-def check_family(name: str, tiny_dir: Path, tiny: bool, device: str, size: int, steps: int) -> dict:
+def check_family(
+    name: str, tiny_dir: Path, tiny: bool, device: str, size: int, steps: int, candidates: tuple, batch_sizes: tuple
+) -> dict:
     family_class, build_real, guidance = FAMILIES[name]
     dtype = torch.bfloat16
     tiny_family = family_class.from_pretrained(tiny_dir, torch_dtype=dtype, device=device)
@@ -182,11 +190,12 @@ def check_family(name: str, tiny_dir: Path, tiny: bool, device: str, size: int, 
     def rollout(samples: int = GROUP):
         return sample(family, [PROMPT] * samples, list(range(samples)), options)
 
-    def plain_pipeline(output_type: str = "pt"):
+    def plain_pipeline(output_type: str = "pt", samples: int = GROUP):
         with torch.no_grad():
             return family.pipe(
-                prompt=[PROMPT] * GROUP, height=size, width=size, num_inference_steps=steps,
-                generator=[torch.Generator("cpu").manual_seed(s) for s in seeds], output_type=output_type, **guidance,
+                prompt=[PROMPT] * samples, height=size, width=size, num_inference_steps=steps,
+                generator=[torch.Generator("cpu").manual_seed(s) for s in range(samples)], output_type=output_type,
+                **guidance,
             ).images  # fmt: skip
 
     rollout()  # warm-up: kernels, allocator, cuDNN autotuning
@@ -208,6 +217,22 @@ def check_family(name: str, tiny_dir: Path, tiny: bool, device: str, size: int, 
     rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
     rollout_rate = GROUP / min(runs["rollout"])
     pipeline_rate = GROUP / min(runs["pipeline"])
+
+    calibration = calibrate(family, size, size, candidates, guidance, repeats=2)
+    family.micro_batching = MicroBatching(calibration.chosen)
+    throughput = {}
+    for samples in batch_sizes:
+        rollout(samples)  # warm-up at this batch size
+        seconds = {"rollout": [], "pipeline": []}
+        for _ in range(2):
+            seconds["rollout"].append(measured(device, lambda n=samples: rollout(n))[1])
+            seconds["pipeline"].append(measured(device, lambda n=samples: plain_pipeline("pt", n))[1])
+        rates = {name: samples / min(times) for name, times in seconds.items()}
+        throughput[samples] = {
+            "rollout_samples_per_s": rates["rollout"],
+            "pipeline_samples_per_s": rates["pipeline"],
+            "rollout_over_pipeline": rates["rollout"] / rates["pipeline"],
+        }
     return {
         "family": name,
         "transformer_parameters": parameters,
@@ -229,6 +254,9 @@ def check_family(name: str, tiny_dir: Path, tiny: bool, device: str, size: int, 
         "log_probs_finite": bool(torch.isfinite(rollout_log_probs).all()),
         "ode_vs_pipeline_max_abs_latent_diff": (ode_latents - pipeline_latents).abs().max().item(),
         "latent_abs_max": pipeline_latents.abs().max().item(),
+        "micro_batch_seconds_per_row": calibration.seconds_per_row,
+        "micro_batch_chosen": calibration.chosen,
+        "throughput_by_batch_size": throughput,
     }
 
 
@@ -243,11 +271,13 @@ def main() -> None:
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     size, steps = (64, 3) if args.tiny else (512, 10)
+    # The tiny copies check the script, not the speed: fewer sizes.
+    candidates, batch_sizes = ((1, 2), (1, 8)) if args.tiny else (MICRO_BATCH_CANDIDATES, BATCH_SIZES)
     findings = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.families:
             tiny_dir = FAMILY_BUILDERS[name](Path(scratch) / name)
-            findings.append(check_family(name, tiny_dir, args.tiny, device, size, steps))
+            findings.append(check_family(name, tiny_dir, args.tiny, device, size, steps, candidates, batch_sizes))
             print(json.dumps(findings[-1]), flush=True)
             if args.out:  # after each family, so a run cut short keeps what it measured
                 args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,3 +27,10 @@ def test_the_gpu_check_runs_on_the_tiny_copies(tmp_path):
     assert findings["rollout_over_pipeline"] == findings["rollout_samples_per_s"] / findings["pipeline_samples_per_s"]
     assert findings["replay_max_abs_dlogp"] == 0.0 and findings["log_probs_finite"]
     assert findings["ode_vs_pipeline_max_abs_latent_diff"] < 0.1 * findings["latent_abs_max"]
+    # The calibration it ran, and the throughput at each batch size with the size it chose.
+    per_row = {int(rows): seconds for rows, seconds in findings["micro_batch_seconds_per_row"].items()}
+    assert set(per_row) == {1, 2} and findings["micro_batch_chosen"] in per_row
+    throughput = findings["throughput_by_batch_size"]
+    assert set(throughput) == {"1", "8"}
+    for rates in throughput.values():
+        assert rates["rollout_over_pipeline"] == rates["rollout_samples_per_s"] / rates["pipeline_samples_per_s"] > 0

@@ -143,3 +143,22 @@ def test_no_server_is_one_line_that_says_to_start_one():
     with pytest.raises(SystemExit) as stopped:
         cli.main(["info", "--url", url])
     assert str(stopped.value).startswith(f"{url}/rollout/info: no answer (") and "make serve" in str(stopped.value)
+
+
+def test_calibrate_prints_the_table_and_writes_it_into_a_serve_config_file(tmp_path, capsys):
+    config_file = tmp_path / "serve_config.yaml"
+    config_file.write_text(SERVE_CONFIG.read_text())
+    cli.main(["calibrate", "--size", "16x16", "--candidates", "1", "2", "--repeats", "1", "--write", str(config_file)])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "embedded-digits, float32, on cpu: ms per row of a full transformer call"
+    assert printed[1] == "| size | 1 | 2 | chosen |" and printed[3].startswith("| 16x16 | ")
+    chosen = int(printed[3].rsplit("|", 2)[1])
+    assert printed[4] == f'model.micro_batch_sizes: {{"16x16": {chosen}}}'
+    config, _ = cli.app_config(serve_arguments("--config", str(config_file)))
+    assert config.model.micro_batch_sizes == {"16x16": chosen} and config.num_worker_replicas == 2
+
+
+def test_calibrate_names_a_bad_size():
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["calibrate", "--size", "16"])
+    assert str(stopped.value) == "--size: expected HEIGHTxWIDTH such as 1024x1024, got '16'"

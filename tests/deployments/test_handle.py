@@ -71,7 +71,7 @@ def test_a_part_carries_its_schedule_once_across_the_object_store(handle):
     assert extra > 3 * serialized_size(part.batch.schedule) // 2, extra
 
 
-def test_concurrent_requests_are_batched(handle):
+def test_concurrent_requests_are_batched(handle, embedded_pipeline):
     bodies = [{"prompt": str(i % 10), "num_inference_steps": 6, "seed": 700 + i} for i in range(16)]
     # Placement is measured from idle workers: the router rightly counts work still running.
     assert on_replicas(APP_NAME, "RolloutIngress", lambda _: outstanding_samples()) == [0]
@@ -82,6 +82,9 @@ def test_concurrent_requests_are_batched(handle):
     parts = [r.worker_results()[0] for r in results]
     sizes = [part.sampler_batch_size for part in parts]
     assert max(sizes) > 1, sizes
+    # Each call's transformer rows: 6 steps of its samples, padded to the micro-batch.
+    micro_batch = embedded_pipeline.micro_batching.size_for(16, 16)  # the served model's, as configured
+    assert [part.transformer_rows for part in parts] == [6 * -(-size // micro_batch) * micro_batch for size in sizes]
     # 16 one-sample requests took far fewer than 16 sampler calls.
     calls = sum(1 / size for size in sizes)
     assert calls <= 8, sizes
