@@ -241,7 +241,7 @@ def _vae(scaling_factor: float, shift_factor: float) -> AutoencoderKL:
 # --- Families ---------------------------------------------------------------------------------
 
 
-def build_tiny_sd3(path: Path) -> Path:
+def build_tiny_sd3(path: Path, transformer_heads: int = 2) -> Path:
     """Save a tiny SD3.5-like `StableDiffusion3Pipeline` to `path` and return `path`.
 
     CLIP-L (hidden 32) and CLIP-G (hidden 48) `CLIPTextModelWithProjection`s, a T5 encoder of width
@@ -265,9 +265,9 @@ def build_tiny_sd3(path: Path) -> Path:
         out_channels=_LATENT_CHANNELS,
         num_layers=2,
         attention_head_dim=16,
-        num_attention_heads=2,
+        num_attention_heads=transformer_heads,
         joint_attention_dim=text_encoder_3.config.d_model,
-        caption_projection_dim=32,  # the transformer's width, heads * head dim
+        caption_projection_dim=16 * transformer_heads,  # the transformer's width, heads * head dim
         pooled_projection_dim=text_encoder.config.projection_dim + text_encoder_2.config.projection_dim,
         pos_embed_max_size=32,
         dual_attention_layers=(0,),
@@ -288,7 +288,7 @@ def build_tiny_sd3(path: Path) -> Path:
     return path
 
 
-def build_tiny_flux(path: Path, guidance_embeds: bool = True) -> Path:
+def build_tiny_flux(path: Path, guidance_embeds: bool = True, transformer_heads: int = 2) -> Path:
     """Save a tiny FLUX.1-like `FluxPipeline` to `path` and return `path`.
 
     CLIP-L `CLIPTextModel` (hidden 32, its pooled output conditions the transformer), a T5 encoder
@@ -308,7 +308,7 @@ def build_tiny_flux(path: Path, guidance_embeds: bool = True) -> Path:
         num_layers=1,
         num_single_layers=1,
         attention_head_dim=16,
-        num_attention_heads=2,
+        num_attention_heads=transformer_heads,
         joint_attention_dim=text_encoder_2.config.d_model,
         pooled_projection_dim=text_encoder.config.hidden_size,
         guidance_embeds=guidance_embeds,
@@ -327,7 +327,7 @@ def build_tiny_flux(path: Path, guidance_embeds: bool = True) -> Path:
     return path
 
 
-def build_tiny_qwenimage(path: Path) -> Path:
+def build_tiny_qwenimage(path: Path, transformer_heads: int = 2) -> Path:
     """Save a tiny Qwen-Image-like `QwenImagePipeline` to `path` and return `path`.
 
     A `Qwen2_5_VLForConditionalGeneration` text encoder (text width 32, multimodal RoPE, a one-block
@@ -380,7 +380,7 @@ def build_tiny_qwenimage(path: Path) -> Path:
         out_channels=_LATENT_CHANNELS,
         num_layers=1,
         attention_head_dim=16,
-        num_attention_heads=2,
+        num_attention_heads=transformer_heads,
         joint_attention_dim=text_width,
         axes_dims_rope=(4, 6, 6),  # sums to the head dim, like (16, 56, 56) for 128
     )
