@@ -143,8 +143,8 @@ def _key_values(fields: list[str]) -> dict:
         raise SystemExit(f"arguments: {error.message}") from None
 
 
-def _serve_config_file(path: Path) -> tuple[dict, dict]:
-    """(args, http_options) of the one application of a Serve config file."""
+def _read_serve_config(path: Path) -> dict:
+    """A Serve config file holding one application of this project's, or SystemExit with one line."""
     try:
         config = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as error:
@@ -157,10 +157,16 @@ def _serve_config_file(path: Path) -> tuple[dict, dict]:
         raise SystemExit(
             f"--config {path}: applications[0].import_path: expected deployments.app:build_app, got {import_path!r}"
         )
-    args = applications[0].get("args") or {}
-    name = applications[0].get("name")
-    if name is not None:
-        args = {"app_name": name, **args}
+    return config
+
+
+def _serve_config_file(path: Path) -> tuple[dict, dict]:
+    """(args, http_options) of the one application of a Serve config file."""
+    config = _read_serve_config(path)
+    application = config["applications"][0]
+    args = application.get("args") or {}
+    if application.get("name") is not None:
+        args = {"app_name": application["name"], **args}
     return args, config.get("http_options") or {}
 
 
@@ -211,15 +217,12 @@ def serve(arguments: argparse.Namespace) -> None:
         except RuntimeError as error:  # what serve.run raises for an application that failed to deploy
             cause = _failure_cause(config.app_name, error)
             raise SystemExit(f"application {config.app_name!r} failed to start: {cause}") from None
-        probes = (
-            "no probe port" if config.probe_port is None else f"probes: http://{config.probe_host}:{config.probe_port}"
-        )
+        probes = f"probes: {config.probe_url}" if config.probe_url else "no probe port"
         url = f"http://{http_options['host']}:{http_options['port']}"
-        model = f"{config.model.label()} ({config.model.path or 'packaged weights'})"
         # Its Ray address is what a driver or `ray job submit` needs (RAY_ADDRESS) where other clusters run too.
         ray_address = ray.get_runtime_context().gcs_address
         print(
-            f"serving application {config.app_name!r}, model {model}, on {url} ({probes}), Ray at {ray_address}; "
+            f"serving application {config.app_name!r}, model {config.model.described()}, on {url} ({probes}), Ray at {ray_address}; "
             "Ctrl-C stops it",
             flush=True,
         )
@@ -242,10 +245,12 @@ def serve(arguments: argparse.Namespace) -> None:
 
 
 def _image_size(text: str) -> tuple[int, int]:
-    height, _, width = text.partition("x")
-    if not (height.isdigit() and width.isdigit()):
+    from rollout.models.base import parse_image_size
+
+    size = parse_image_size(text)
+    if size is None:
         raise SystemExit(f"--size: expected HEIGHTxWIDTH such as 1024x1024, got {text!r}")
-    return int(height), int(width)
+    return size
 
 
 def calibrate(arguments: argparse.Namespace) -> None:
@@ -284,8 +289,7 @@ def calibrate(arguments: argparse.Namespace) -> None:
 
 
 def _write_micro_batch_sizes(path: Path, table: dict[str, int]) -> None:
-    _serve_config_file(path)  # one rollout application, or one line saying what is wrong
-    config = yaml.safe_load(path.read_text())
+    config = _read_serve_config(path)
     model = config["applications"][0].setdefault("args", {}).setdefault("model", {})
     model["micro_batch_sizes"] = {**(model.get("micro_batch_sizes") or {}), **table}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -295,8 +299,8 @@ def _write_micro_batch_sizes(path: Path, table: dict[str, int]) -> None:
 
 
 def fetch_json(url: str) -> tuple[int, dict]:
-    """(status, JSON body) of a GET, with the bearer token from ROLLOUT_AUTH_TOKEN; SystemExit with
-    one line when nothing answers or the answer is not JSON."""
+    """(status, JSON object) of a GET, with the bearer token from ROLLOUT_AUTH_TOKEN; SystemExit with
+    one line when nothing answers or the answer is not a JSON object."""
     headers = {"Accept": "application/json"}
     if token := os.environ.get("ROLLOUT_AUTH_TOKEN"):
         headers["Authorization"] = f"Bearer {token}"
@@ -309,9 +313,12 @@ def fetch_json(url: str) -> tuple[int, dict]:
         reason = getattr(error, "reason", error)
         raise SystemExit(f"{url}: no answer ({reason}); is the server running (make serve)?") from None
     try:
-        return status, json.loads(body)
+        answer = json.loads(body)
     except ValueError:
-        raise SystemExit(f"{url}: {status}, not JSON: {body[:200]!r}") from None
+        answer = None
+    if not isinstance(answer, dict):
+        raise SystemExit(f"{url}: {status}, not a JSON object: {body[:200]!r}")
+    return status, answer
 
 
 def show(command: str, base_url: str, *, as_json: bool) -> None:

@@ -101,6 +101,10 @@ class ModelConfig(BaseModel):
             return self.name
         return EMBEDDED_MODEL if self.path is None else Path(self.path).name
 
+    def described(self) -> str:
+        """The model and where its weights come from, for the ready lines: `flux (/models/flux)`."""
+        return f"{self.label()} ({self.path or 'packaged weights'})"
+
     def micro_batching(self, model_default: int) -> MicroBatching:
         """The configured micro-batches; sizes not listed keep `micro_batch_size`, else `model_default`."""
         return MicroBatching.parse(self.micro_batch_size or model_default, self.micro_batch_sizes)
@@ -269,6 +273,11 @@ class RolloutAppConfig(BaseModel):
             if problem["type"] == "model_type" and isinstance(problem.get("input"), str):
                 value += f"; set its fields by dotted keys: {'.'.join(location)}.<field>=<value>"
             raise AppConfigError(clip(".".join(location) or "config"), f"{message}{value}") from None
+
+    @property
+    def probe_url(self) -> str | None:
+        """Where the probe port answers, for the ready lines; None without one."""
+        return None if self.probe_port is None else f"http://{self.probe_host}:{self.probe_port}"
 
     @model_validator(mode="after")
     def _slots_left_for_others(self) -> "RolloutAppConfig":

@@ -58,11 +58,10 @@ class RolloutIngress(*CONCERNS):
         except Exception:  # the line is a courtesy: a controller that cannot answer now must not fail the replica
             logger.exception("reading the application's URL from Serve's controller failed")
             url = None
-        model = config.model.label() + ("" if config.model.path is None else f" from {config.model.path}")
-        probes = "no probe port" if config.probe_port is None else f"probes on http://{config.probe_host}:{config.probe_port}"
+        probes = f"probes on {config.probe_url}" if config.probe_url else "no probe port"
         logger.info(
             "rollout app %r up on %s: model %s, %d worker replica(s); %s (/health answers 200 once a worker runs)",
-            config.app_name, url or "no HTTP route", model, config.num_worker_replicas, probes,
+            config.app_name, url or "no HTTP route", config.model.described(), config.num_worker_replicas, probes,
         )
 
     def __del__(self):

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from rollout.errors import InvalidRequestError
-from rollout.models.base import Conditioning, RolloutPipeline
+from rollout.models.base import Conditioning, RolloutPipeline, zero_padded
 from rollout.options import SamplingOptions, check_seed
 from rollout.trajectory import RolloutBatch, SampleTrajectory, StepDebug
 from rollout.transitions import take_step
@@ -79,7 +79,7 @@ def predict_velocity(
     if padded_size % rows:
         raise ValueError(f"conditioning of {padded_size} rows is not padded to micro-batches of {rows}")
     device = pipeline.device
-    x_padded = torch.cat([x_t, x_t.new_zeros((padded_size - batch_size, *x_t.shape[1:]))])
+    x_padded = zero_padded(x_t, rows)
     timesteps = timestep.to(device).expand(rows)
     velocities = [
         pipeline.predict_velocity(

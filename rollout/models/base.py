@@ -116,6 +116,18 @@ def batched_cfg_velocity(
     return v_uncond + scale * (v_cond - v_uncond)
 
 
+def zero_padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor` with zero rows appended up to a multiple of `rows`: the padding of a fixed-size
+    micro-batch, whose results for the padded rows are dropped."""
+    return torch.cat([tensor, tensor.new_zeros((-len(tensor) % rows, *tensor.shape[1:]))])
+
+
+def parse_image_size(text: str) -> tuple[int, int] | None:
+    """`(height, width)` of a size written `"<height>x<width>"`, as `"1024x1024"`; None if it is not one."""
+    height, _, width = text.partition("x")
+    return (int(height), int(width)) if height.isdigit() and width.isdigit() else None
+
+
 @dataclass(frozen=True)
 class MicroBatching:
     """How many samples the transformer takes per call, per image size.
@@ -142,10 +154,10 @@ class MicroBatching:
         """From configuration: `by_size` keyed by ``"<height>x<width>"``, e.g. ``{"1024x1024": 2}``."""
         sizes = {}
         for key, rows in (by_size or {}).items():
-            height, _, width = key.partition("x")
-            if not (height.isdigit() and width.isdigit()):
+            size = parse_image_size(key)
+            if size is None:
                 raise InvalidRequestError("micro_batch_sizes", f"keys look like '512x512', got {key!r}")
-            sizes[(int(height), int(width))] = rows
+            sizes[size] = rows
         return cls(default, sizes)
 
     def size_for(self, height: int, width: int) -> int:

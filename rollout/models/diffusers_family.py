@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from rollout.errors import ModelLoadError, UnknownPromptError
-from rollout.models.base import Conditioning, ImageSizeLimits, MicroBatching
+from rollout.models.base import Conditioning, ImageSizeLimits, MicroBatching, zero_padded
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
@@ -249,7 +249,7 @@ class DiffusersFamily:
         bits do not depend on what it was decoded with, and B images take B / micro-batch calls."""
         batch_size, _, latent_height, latent_width = latents.shape
         rows = self.micro_batching.size_for(latent_height * self.vae_scale_factor, latent_width * self.vae_scale_factor)
-        padded = torch.cat([latents, latents.new_zeros((-batch_size % rows, *latents.shape[1:]))]).to(self.vae.dtype)
+        padded = zero_padded(latents, rows).to(self.vae.dtype)
         with torch.no_grad():
             images = [self.decode_latents(padded[start : start + rows]) for start in range(0, len(padded), rows)]
         return self.pipe.image_processor.postprocess(torch.cat(images)[:batch_size], output_type="pt").float()

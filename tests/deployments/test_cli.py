@@ -162,3 +162,10 @@ def test_calibrate_names_a_bad_size():
     with pytest.raises(SystemExit) as stopped:
         cli.main(["calibrate", "--size", "16"])
     assert str(stopped.value) == "--size: expected HEIGHTxWIDTH such as 1024x1024, got '16'"
+
+
+def test_an_answer_that_is_not_a_json_object_is_one_line(answering):
+    Answering.status, Answering.body = 200, ["not", "an", "object"]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["health", "--url", base_url(answering)])
+    assert str(stopped.value) == f'{base_url(answering)}/health: 200, not a JSON object: b\'["not", "an", "object"]\''
