@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import msgpack
 import ray
@@ -303,7 +304,6 @@ def stop_with_requests_in_flight(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    answers: list[requests.Response | requests.RequestException] = []
     try:
         started = time.monotonic()
         while not _answers_200("http://127.0.0.1:8000/health"):
@@ -311,29 +311,46 @@ def stop_with_requests_in_flight(
                 raise RuntimeError(f"{command} did not start serving")
             time.sleep(1.0)
 
-        def client(body: dict) -> None:
+        def stop_and_time_the_exit() -> float | None:
+            stop(server)
+            stopped = time.monotonic()
             try:
-                answers.append(requests.post("http://127.0.0.1:8000/rollout/generate", json=body, timeout=120))
-            except requests.RequestException as error:
-                answers.append(error)
+                server.wait(timeout=60)
+                return time.monotonic() - stopped
+            except subprocess.TimeoutExpired:
+                return None
 
-        threads = [threading.Thread(target=client, args=(body,)) for body in bodies]
-        for thread in threads:
-            thread.start()
-        time.sleep(3.0)
-        stop(server)
-        stopped = time.monotonic()
-        try:
-            server.wait(timeout=60)
-            exit_s = time.monotonic() - stopped
-        except subprocess.TimeoutExpired:
-            exit_s = None
-        for thread in threads:
-            thread.join()
+        return answers_when_stopped(stop_and_time_the_exit, bodies)
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
-    return answers, exit_s
+
+
+T = TypeVar("T")
+
+
+def answers_when_stopped(
+    stop: Callable[[], T], bodies: list[dict]
+) -> tuple[list[requests.Response | requests.RequestException], T]:
+    """Sends `bodies` at once to the application on 127.0.0.1:8000, calls `stop()` 3 s later, and
+    waits for every answer: the answers (or the error of a request that got none) and what `stop`
+    returned."""
+    answers: list[requests.Response | requests.RequestException] = []
+
+    def client(body: dict) -> None:
+        try:
+            answers.append(requests.post("http://127.0.0.1:8000/rollout/generate", json=body, timeout=120))
+        except requests.RequestException as error:
+            answers.append(error)
+
+    threads = [threading.Thread(target=client, args=(body,)) for body in bodies]
+    for thread in threads:
+        thread.start()
+    time.sleep(3.0)
+    stopped = stop()
+    for thread in threads:
+        thread.join()
+    return answers, stopped
 
 
 def _answers_200(url: str) -> bool:

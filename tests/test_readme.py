@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
+
+from benchmarks.reliability import answers_when_stopped
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 README = REPOSITORY / "README.md"
@@ -156,28 +157,6 @@ def stop(process: subprocess.Popen, signum: int) -> bool:
     return False
 
 
-def ctrl_c_with_requests_in_flight(server: subprocess.Popen) -> tuple[list, bool]:
-    """Sends three requests of several seconds, then a terminal's Ctrl-C (SIGINT to the group) 3 s
-    later: each request's answer (or the error of one that got none), and whether it all exited."""
-    answers = []
-
-    def client(seed: int) -> None:
-        body = {**LONG_REQUEST, "seed": seed}
-        try:
-            answers.append(requests.post("http://127.0.0.1:8000/rollout/generate", json=body, timeout=120))
-        except requests.RequestException as error:
-            answers.append(error)
-
-    clients = [threading.Thread(target=client, args=(seed,)) for seed in range(3)]
-    for thread in clients:
-        thread.start()
-    time.sleep(3.0)
-    exited = stop(server, signal.SIGINT)
-    for thread in clients:
-        thread.join()
-    return answers, exited
-
-
 @pytest.fixture
 def job_output_moved_aside(tmp_path):
     kept = tmp_path / "reader's outputs/rollouts"
@@ -234,7 +213,10 @@ def test_the_readme_runs_as_written_against_make_serve(job_output_moved_aside):
             print(f"{block.name}: ran in {time.monotonic() - started:.1f} s")
 
         time.sleep(max(0.0, SERVED_AT_LEAST_S - (time.monotonic() - ready_at)))
-        answers, exited = ctrl_c_with_requests_in_flight(server)
+        # A terminal's Ctrl-C (SIGINT to the group) 3 s after three requests of several seconds.
+        answers, exited = answers_when_stopped(
+            lambda: stop(server, signal.SIGINT), [{**LONG_REQUEST, "seed": seed} for seed in range(3)]
+        )
         served.join(EXIT_TIMEOUT_S)
     finally:
         if session is not None:
@@ -252,7 +234,8 @@ def test_the_readme_runs_as_written_against_make_serve(job_output_moved_aside):
     output = "".join(served.lines)
     print(f"make serve's terminal:\n{output}")
     # The ingress replica's own line, which is what `serve run deployments/serve_config.yaml` shows.
-    assert "rollout app 'rollout' up on http://127.0.0.1:8000/: model embedded-digits" in output, output[-5000:]
+    ready_line = "rollout app 'rollout' up on http://127.0.0.1:8000/: model embedded-digits (packaged weights)"
+    assert ready_line in output, output[-5000:]
     internal = [
         line for line in served.lines if " CALL " in line and ("WeightCoordinator" in line or "RolloutWorker" in line)
     ]
