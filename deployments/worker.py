@@ -23,7 +23,7 @@ from rollout.errors import InvalidRequestError, NonFiniteOutputError, RolloutErr
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.plan import SamplingWork
-from rollout.sampler import micro_batch_size, resolve_options, sample, transformer_rows
+from rollout.sampler import SamplerCall, micro_batch_size, resolve_options, sample_call
 from rollout.trajectory import RolloutBatch
 from rollout.weights import weights_layout
 
@@ -55,14 +55,14 @@ class WorkerResult:
     node_id: str
 
 
-def _sample_measured(pipeline: RolloutPipeline, *args, **kwargs) -> tuple[RolloutBatch, float | None]:
-    """`sample(pipeline, ...)` and the peak accelerator memory it allocated, in MB (None on the CPU)."""
+def _sample_measured(pipeline: RolloutPipeline, *args, **kwargs) -> tuple[SamplerCall, float | None]:
+    """`sample_call(pipeline, ...)` and the peak accelerator memory it allocated, in MB (None on the CPU)."""
     device = pipeline.device
     if device.type != "cuda":
-        return sample(pipeline, *args, **kwargs), None
+        return sample_call(pipeline, *args, **kwargs), None
     torch.cuda.reset_peak_memory_stats(device)
-    batch = sample(pipeline, *args, **kwargs)
-    return batch, torch.cuda.max_memory_allocated(device) / 2**20
+    call = sample_call(pipeline, *args, **kwargs)
+    return call, torch.cuda.max_memory_allocated(device) / 2**20
 
 
 @serve.deployment
@@ -177,7 +177,7 @@ class RolloutWorker:
         seeds = [seed for work in group for seed in work.seeds]
         start = time.perf_counter()
         try:
-            batch, peak_memory_mb = _sample_measured(
+            call, peak_memory_mb = _sample_measured(
                 self.pipeline, prompts, seeds, group[0].options, negatives, weight_version=self.weights.version
             )
         except Exception as error:  # reported to each request of the group, the others go on
@@ -187,10 +187,9 @@ class RolloutWorker:
                 results[i] = error
             return results
         elapsed = time.perf_counter() - start
-        rows = transformer_rows(self.pipeline, batch.options, len(seeds))
         offset = 0
         for i, work in zip(servable, group):
-            part = batch.subset(range(offset, offset + len(work)))
+            part = call.batch.subset(range(offset, offset + len(work)))
             offset += len(work)
             try:  # each request on its own: NaN in one request's samples does not fail the others
                 part.check_finite()
@@ -198,7 +197,9 @@ class RolloutWorker:
                 logger.warning("request refused its samples: %s", error)
                 results[i] = error
                 continue
-            results[i] = WorkerResult(part, len(seeds), rows, elapsed, peak_memory_mb, self.replica, self.node_id)
+            results[i] = WorkerResult(
+                part, len(seeds), call.transformer_rows, elapsed, peak_memory_mb, self.replica, self.node_id
+            )
         served_nothing = all(isinstance(results[i], NonFiniteOutputError) for i in servable)
         self._failed_calls_in_a_row = self._failed_calls_in_a_row + 1 if served_nothing else 0
         return results

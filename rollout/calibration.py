@@ -65,12 +65,12 @@ def calibrate(
         pipeline, SamplingOptions(height=height, width=width, num_inference_steps=2, **(guidance or {}))
     )
     latent_shape = pipeline.latent_shape(height, width)
-    one_row = pipeline.encode_prompts([CALIBRATION_PROMPT], [""], options)
+    (one_row,) = pipeline.encode_prompts([CALIBRATION_PROMPT], [""], options).buckets
     timestep = pipeline.schedule(options.num_inference_steps, height, width).model_timesteps[0].to(pipeline.device)
     generator = torch.Generator().manual_seed(0)
     seconds_per_row = {}
     for rows in sorted(set(candidates)):
-        conditioning = pad_conditioning(one_row, rows).map(lambda t: t.to(pipeline.device))
+        conditioning = pad_conditioning(one_row.conditioning, rows).map(lambda t: t.to(pipeline.device))
         x_t = torch.randn((rows, *latent_shape), generator=generator).to(pipeline.device)
         times = []
         with torch.no_grad():

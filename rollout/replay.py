@@ -15,9 +15,9 @@ from typing import Sequence
 import torch
 
 from rollout.errors import InvalidRequestError
-from rollout.models.base import Conditioning, RolloutPipeline
+from rollout.models.base import BucketedConditioning, RolloutPipeline
 from rollout.options import SamplingOptions
-from rollout.sampler import micro_batch_size, pad_conditioning, predict_velocity
+from rollout.sampler import micro_batch_size, pad_buckets, predict_velocity
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import SampleTrajectory
 from rollout.transitions import take_step
@@ -42,9 +42,9 @@ def replayable_steps(latent_step_indices: torch.Tensor) -> list[int]:
 
 def _conditioning_of(
     pipeline: RolloutPipeline, options: SamplingOptions, samples: Sequence[SampleTrajectory]
-) -> Conditioning:
+) -> BucketedConditioning:
     if all(s.denoising_env is not None for s in samples):
-        return Conditioning.stack([s.denoising_env for s in samples])
+        return BucketedConditioning.stack([s.denoising_env for s in samples])
     return pipeline.encode_prompts([s.prompt for s in samples], [s.negative_prompt for s in samples], options)
 
 
@@ -98,7 +98,7 @@ def transition_log_probs(
     latents = torch.stack([s.latents for s in samples]).to(device)  # (N, K, ...)
     sigmas = schedule.sigmas.to(device)
     conditioning = _conditioning_of(pipeline, options, samples)
-    padded_conditioning = pad_conditioning(conditioning, micro_batch_size(pipeline, options))
+    padded_conditioning = pad_buckets(conditioning, micro_batch_size(pipeline, options))
 
     log_probs = []
     for step in steps:

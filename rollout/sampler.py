@@ -5,22 +5,31 @@ Two properties hold by construction and are tested:
   (its initial noise first, then one draw per stochastic step).
 - Batch invariance: a sample's trajectory is bit-identical whether it is generated alone or in
   any batch, because the model always runs on micro-batches of exactly the pipeline's
-  micro-batch size for the image size (padded), so every row sees the same kernels.
+  micro-batch size for the image size (padded), each of rows of one conditioning bucket (rows
+  whose text is padded to the same length), so every row sees the same kernels.
 
 Memory: the conditioning stays on the CPU and goes to the device one micro-batch at a time,
-and every latent and debug tensor kept leaves the device as it is produced, so device memory
-grows with the micro-batch, not with the steps kept or the samples in the request.
+and every latent and debug tensor kept leaves the device as it is produced, into one host
+buffer per kept tensor allocated once per call; the samples are views of those buffers. Device
+memory grows with the micro-batch, host memory with what is kept, once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from rollout.errors import InvalidRequestError
-from rollout.models.base import Conditioning, RolloutPipeline, zero_padded
+from rollout.models.base import (
+    BucketedConditioning,
+    Conditioning,
+    ConditioningBucket,
+    RolloutPipeline,
+    zero_padded,
+)
 from rollout.options import SamplingOptions, check_seed
 from rollout.trajectory import RolloutBatch, SampleTrajectory, StepDebug
 from rollout.transitions import take_step
@@ -41,14 +50,6 @@ def micro_batch_size(pipeline: RolloutPipeline, options: SamplingOptions) -> int
     return pipeline.micro_batching.size_for(options.height, options.width)
 
 
-def transformer_rows(pipeline: RolloutPipeline, options: SamplingOptions, batch_size: int) -> int:
-    """Rows the transformer computes to sample `batch_size` samples with `options` (defaults filled
-    in): every step's calls, each padded to the micro-batch. Against `batch_size` times the steps,
-    the rest is padding. (Classifier-free guidance doubles each call's rows inside the model.)"""
-    rows = micro_batch_size(pipeline, options)
-    return options.num_inference_steps * -(-batch_size // rows) * rows
-
-
 def pad_conditioning(conditioning: Conditioning, micro_batch_size: int) -> Conditioning:
     """Pads to a multiple of `micro_batch_size` rows by repeating the last row."""
     missing = -len(conditioning) % micro_batch_size
@@ -58,39 +59,52 @@ def pad_conditioning(conditioning: Conditioning, micro_batch_size: int) -> Condi
     return conditioning.map(lambda t: torch.cat([t, t[filler.to(t.device)]]))
 
 
+def pad_buckets(conditioning: BucketedConditioning, micro_batch_size: int) -> BucketedConditioning:
+    """Each bucket padded to whole micro-batches (`pad_conditioning`)."""
+    return BucketedConditioning(
+        tuple(
+            ConditioningBucket(b.rows, pad_conditioning(b.conditioning, micro_batch_size)) for b in conditioning.buckets
+        )
+    )
+
+
 def predict_velocity(
     pipeline: RolloutPipeline,
     x_t: torch.Tensor,
     timestep: torch.Tensor,
-    padded_conditioning: Conditioning,
+    padded_conditioning: BucketedConditioning,
     options: SamplingOptions,
 ) -> torch.Tensor:
-    """The pipeline's velocity for `(B, ...)` latents, computed on fixed-size micro-batches.
+    """The pipeline's velocity for `(B, ...)` latents, computed on fixed-size micro-batches, each
+    of rows of one conditioning bucket.
 
     Args:
         timestep: `()` the transformer's time input at this step (`model_timesteps[step]`),
             the same for every row.
-        padded_conditioning: the batch's conditioning after `pad_conditioning`, on any device.
+        padded_conditioning: the batch's conditioning after `pad_buckets`, on any device.
         options: the request's options, with the model's defaults filled in.
     """
     rows = micro_batch_size(pipeline, options)
-    batch_size = x_t.shape[0]
-    padded_size = len(padded_conditioning)
-    if padded_size % rows:
-        raise ValueError(f"conditioning of {padded_size} rows is not padded to micro-batches of {rows}")
     device = pipeline.device
-    x_padded = zero_padded(x_t, rows)
     timesteps = timestep.to(device).expand(rows)
-    velocities = [
-        pipeline.predict_velocity(
-            x_padded[start : start + rows],
-            timesteps,
-            padded_conditioning.rows(slice(start, start + rows)).map(lambda t: t.to(device)),
-            options,
-        )
-        for start in range(0, padded_size, rows)
-    ]
-    return torch.cat(velocities)[:batch_size]
+    velocity = torch.empty_like(x_t)
+    for bucket in padded_conditioning.buckets:
+        padded_size = len(bucket.conditioning)
+        if padded_size % rows:
+            raise ValueError(f"conditioning of {padded_size} rows is not padded to micro-batches of {rows}")
+        batch_rows = bucket.rows.to(x_t.device)
+        x_padded = zero_padded(x_t[batch_rows], rows)
+        velocities = [
+            pipeline.predict_velocity(
+                x_padded[start : start + rows],
+                timesteps,
+                bucket.conditioning.rows(slice(start, start + rows)).map(lambda t: t.to(device)),
+                options,
+            )
+            for start in range(0, padded_size, rows)
+        ]
+        velocity[batch_rows] = torch.cat(velocities)[: len(batch_rows)]
+    return velocity
 
 
 def _draw_noise(generators: Sequence[torch.Generator], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -98,7 +112,26 @@ def _draw_noise(generators: Sequence[torch.Generator], shape: tuple[int, ...], d
     return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]).to(device)
 
 
-@torch.no_grad()
+def _host_buffer(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Pinned when the model runs on CUDA, so the copies out of the device do not block a step.
+    return torch.empty(shape, dtype=torch.float32, pin_memory=device.type == "cuda")
+
+
+@dataclass(frozen=True)
+class SamplerCall:
+    """What one `sample_call` made, and what it cost.
+
+    Attributes:
+        batch: the samples, as `sample` returns them.
+        transformer_rows: rows the transformer computed: every step's calls, each padded to the
+            micro-batch within its conditioning bucket. Against the samples times the steps, the
+            rest is padding. (Classifier-free guidance doubles each call's rows inside the model.)
+    """
+
+    batch: RolloutBatch
+    transformer_rows: int
+
+
 def sample(
     pipeline: RolloutPipeline,
     prompts: Sequence[str],
@@ -118,6 +151,19 @@ def sample(
     Returns:
         A `RolloutBatch` holding the schedule once and one `SampleTrajectory` per prompt.
     """
+    return sample_call(pipeline, prompts, seeds, options, negative_prompts, weight_version).batch
+
+
+@torch.no_grad()
+def sample_call(
+    pipeline: RolloutPipeline,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    options: SamplingOptions,
+    negative_prompts: Sequence[str] | None = None,
+    weight_version: str | None = None,
+) -> SamplerCall:
+    """`sample`, with the transformer rows it computed (arguments as for `sample`)."""
     if len(prompts) == 0:
         raise InvalidRequestError("prompt", "needs at least one prompt")
     if len(seeds) != len(prompts):
@@ -131,18 +177,28 @@ def sample(
     options = resolve_options(pipeline, options)
     latent_shape = pipeline.latent_shape(options.height, options.width)
     device = pipeline.device
+    batch_size, num_steps = len(prompts), options.num_inference_steps
 
     conditioning = pipeline.encode_prompts(prompts, negative_prompts, options).map(lambda t: t.cpu())
-    padded_conditioning = pad_conditioning(conditioning, micro_batch_size(pipeline, options))
-    schedule = pipeline.schedule(options.num_inference_steps, options.height, options.width)
+    padded_conditioning = pad_buckets(conditioning, micro_batch_size(pipeline, options))
+    schedule = pipeline.schedule(num_steps, options.height, options.width)
     sigmas = schedule.sigmas.to(device)
     generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in seeds]
 
-    kept_steps = set(options.kept_latent_steps())
+    # Everything kept is written once, in place, into one buffer per tensor; samples are views of
+    # them (a sample pickled alone is compacted, a batch is pickled as these buffers).
+    kept_steps = options.kept_latent_steps()
+    slot_of_step = {step: k for k, step in enumerate(kept_steps)}
+    latents = _host_buffer((batch_size, len(kept_steps), *latent_shape), device)
+    log_probs = _host_buffer((batch_size, num_steps), device)
+    if options.debug:
+        velocities, means, noises = (_host_buffer((batch_size, num_steps, *latent_shape), device) for _ in range(3))
+        noise_stds = _host_buffer((num_steps,), device)  # shared by the batch's rows
+
     x_t = _draw_noise(generators, latent_shape, device)
-    kept_latents = [x_t.cpu()] if 0 in kept_steps else []
-    log_probs, velocities, means, noise_stds, noises = [], [], [], [], []
-    for step in range(schedule.num_steps):
+    if 0 in slot_of_step:
+        latents[:, slot_of_step[0]].copy_(x_t, non_blocking=True)
+    for step in range(num_steps):
         v = predict_velocity(pipeline, x_t, schedule.model_timesteps[step], padded_conditioning, options)
         kind = options.transition_at(step)
         noise = _draw_noise(generators, latent_shape, device) if kind.draws_noise else None
@@ -158,44 +214,40 @@ def sample(
             log_prob_form=options.log_prob_form,
         )
         x_t = transition.x_next
-        if step + 1 in kept_steps:
-            kept_latents.append(x_t.cpu())
-        log_probs.append(transition.log_prob.cpu())
+        if step + 1 in slot_of_step:
+            latents[:, slot_of_step[step + 1]].copy_(x_t, non_blocking=True)
+        log_probs[:, step].copy_(transition.log_prob, non_blocking=True)
         if options.debug:
-            velocities.append(v.cpu())
-            means.append(transition.mean.cpu())
-            noise_stds.append(transition.noise_std.cpu())
-            noises.append(torch.zeros(x_t.shape) if noise is None else noise.cpu())
+            velocities[:, step].copy_(v, non_blocking=True)
+            means[:, step].copy_(transition.mean, non_blocking=True)
+            noise_stds[step].copy_(transition.noise_std, non_blocking=True)
+            if noise is None:
+                noises[:, step].zero_()
+            else:
+                noises[:, step].copy_(noise, non_blocking=True)
 
     images = pipeline.decode(x_t).cpu()
     final_latents = x_t.cpu()
-    log_probs = torch.stack(log_probs, dim=1)  # (B, T)
-    # (B, K, ...); K is 0 when a request keeps no latent at all
-    latents = torch.stack(kept_latents, dim=1) if kept_latents else torch.zeros((len(prompts), 0, *latent_shape))
-    latent_step_indices = torch.tensor(sorted(kept_steps), dtype=torch.int64)
-    if options.debug:
-        velocities, means, noises = (torch.stack(t, dim=1) for t in (velocities, means, noises))
-        noise_stds = torch.stack(noise_stds)  # (T,), shared by the batch's rows
-
-    # Every per-sample tensor is cloned out of the batch: a view would drag the whole batch's
-    # storage along wherever the sample is serialized.
+    if device.type == "cuda":  # the non-blocking copies above have landed only once the stream is done
+        torch.cuda.current_stream(device).synchronize()
+    latent_step_indices = torch.tensor(kept_steps, dtype=torch.int64)
     samples = [
         SampleTrajectory(
             schedule=schedule,
             prompt=prompts[i],
             negative_prompt=negative_prompts[i],
             seed=seeds[i],
-            image=images[i].clone(),
-            final_latents=final_latents[i].clone(),
-            log_probs=log_probs[i].clone(),
-            latents=latents[i].clone(),
-            latent_step_indices=latent_step_indices.clone(),
+            image=images[i],
+            final_latents=final_latents[i],
+            log_probs=log_probs[i],
+            latents=latents[i],
+            latent_step_indices=latent_step_indices,
             weight_version=weight_version,
-            debug=StepDebug(velocities[i].clone(), means[i].clone(), noise_stds.clone(), noises[i].clone())
-            if options.debug
-            else None,
+            debug=StepDebug(velocities[i], means[i], noise_stds, noises[i]) if options.debug else None,
             denoising_env=conditioning.row(i) if options.return_denoising_env else None,
         )
-        for i in range(len(prompts))
+        for i in range(batch_size)
     ]
-    return RolloutBatch(schedule=schedule, options=options, model=pipeline.name, samples=samples)
+    batch = RolloutBatch(schedule=schedule, options=options, model=pipeline.name, samples=samples)
+    rows_per_step = sum(len(bucket.conditioning) for bucket in padded_conditioning.buckets)
+    return SamplerCall(batch, transformer_rows=rows_per_step * num_steps)

@@ -7,7 +7,7 @@ object; pickling keeps that sharing, so the schedule crosses a process boundary 
 samples still refer to one object on the other side.
 
 A batch crosses a process boundary with each tensor field stacked over its samples into one
-numpy array: Ray's object store carries numpy buffers out of band, so the receiver maps them
+numpy array (the sampler's own buffer, uncopied, when the samples are its consecutive rows): Ray's object store carries numpy buffers out of band, so the receiver maps them
 without a copy, and the samples' tensors are views of them (read-only in spirit: they share
 the object store's memory; `clone()` a tensor before changing it in place).
 """
@@ -190,10 +190,27 @@ def _stacked(samples: Sequence[SampleTrajectory]) -> dict[str, np.ndarray | list
         tensors = [tensors[name] for tensors in per_sample]
         first = tensors[0]
         if first.dtype != torch.bfloat16 and all(t.shape == first.shape and t.dtype == first.dtype for t in tensors):
-            stacked[name] = torch.stack(tensors).numpy()
+            rows = _consecutive_rows(tensors)
+            stacked[name] = (torch.stack(tensors) if rows is None else rows).numpy()
         else:
             stacked[name] = [_compact(t) for t in tensors]
     return stacked
+
+
+def _consecutive_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one `(n, ...)` tensor without a copy when they are consecutive rows of one
+    buffer (as the sampler's samples are), else None."""
+    first = tensors[0]
+    storage, step = first.untyped_storage(), first.nbytes
+    for i, tensor in enumerate(tensors):
+        if (
+            not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+            or tensor.data_ptr() != first.data_ptr() + i * step
+        ):
+            return None
+    rows = torch.empty(0, dtype=first.dtype)
+    return rows.set_(storage, first.storage_offset(), (len(tensors), *first.shape))
 
 
 def _unpacked_batch(

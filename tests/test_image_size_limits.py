@@ -110,7 +110,8 @@ def test_the_largest_servable_size_samples(families, name, field):
 
 def test_past_sd3s_limit_its_transformer_really_fails(families):
     pipeline = families["sd3"]
-    positive = pipeline.encode_prompts(["a cat"], [""], SamplingOptions(guidance_scale=1.0)).pos_cond_kwargs
+    (bucket,) = pipeline.encode_prompts(["a cat"], [""], SamplingOptions(guidance_scale=1.0)).buckets
+    positive = bucket.conditioning.pos_cond_kwargs
 
     def velocity(latent_rows: int) -> torch.Tensor:
         latents = torch.zeros(1, pipeline.latent_channels, latent_rows, 2)
@@ -125,7 +126,14 @@ def test_past_sd3s_limit_its_transformer_really_fails(families):
 def test_past_qwen_images_limit_its_rotary_table_really_runs_out(families):
     pipeline = families["qwenimage-long-text"]
     options = SamplingOptions(height=16, width=16)
-    positive = pipeline.encode_prompts(["a cat"], [""], options).pos_cond_kwargs
+    (bucket,) = pipeline.encode_prompts(["a cat"], [""], options).buckets
+    # The bound is for the longest text the family pads to: max_sequence_length tokens, masked.
+    text = bucket.conditioning.pos_cond_kwargs
+    missing = QWEN_TEXT_LENGTH - text["encoder_hidden_states"].shape[1]
+    positive = {
+        "encoder_hidden_states": torch.nn.functional.pad(text["encoder_hidden_states"], (0, 0, 0, missing)),
+        "encoder_hidden_states_mask": torch.nn.functional.pad(text["encoder_hidden_states_mask"], (0, missing)),
+    }
 
     def velocity(token_rows: int) -> torch.Tensor:
         image = {"img_shapes": torch.tensor([[1, token_rows, 1]])}  # (frames, token rows, token columns)

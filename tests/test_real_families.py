@@ -20,7 +20,7 @@ from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
-from rollout.sampler import sample
+from rollout.sampler import sample, sample_call
 from rollout.transitions import TransitionKind
 from rollout.weights import (
     apply_update,
@@ -32,6 +32,8 @@ from rollout.weights import (
 
 FAMILIES = ["sd3", "flux", "qwenimage"]
 SIZE = 64
+# Past Qwen-Image's first text-length bucket (58 tokens with the tiny tokenizer: bucket 64).
+LONG_PROMPT = "a very long prompt about a lighthouse on a cliff in a storm at night"
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +203,38 @@ def assert_batch_invariant(pipeline, family: str) -> None:
     fields, _ = guidance(family, True)
     options = SamplingOptions(num_inference_steps=2, height=SIZE, width=SIZE, debug=True, **fields)
     alone = sample(pipeline, ["a cat"], [7], options).samples[0]
-    prompts = ["a very long prompt about a lighthouse on a cliff in a storm at night", "a cat", "x"]
+    # For Qwen-Image the first prompt is in another text-length bucket than the other two.
+    prompts = [LONG_PROMPT, "a cat", "x"]
     batched = sample(pipeline, prompts, [8, 7, 9], options).samples[1]
     for name in ("final_latents", "latents", "log_probs", "image"):
         assert torch.equal(getattr(alone, name), getattr(batched, name)), name
     assert torch.equal(alone.debug.model_outputs, batched.debug.model_outputs)
+
+
+def test_qwen_image_samples_with_texts_of_different_length_buckets_keep_their_bits(pipelines):
+    pipeline = pipelines("qwenimage")  # micro-batches of 2
+    options = SamplingOptions(
+        num_inference_steps=2, height=SIZE, width=SIZE, true_cfg_scale=3.0, debug=True, return_denoising_env=True
+    )
+    # (positive, negative) text buckets: (64, 32), (32, 32), (64, 32), (32, 64), (32, 32)
+    branches = ("pos_cond_kwargs", "neg_cond_kwargs")
+    prompts = [LONG_PROMPT, "a cat", LONG_PROMPT, "a cat", "x"]
+    negatives = ["", "blurry", "dark", LONG_PROMPT, ""]
+    seeds = [3, 4, 5, 6, 7]
+    call = sample_call(pipeline, prompts, seeds, options, negatives)
+    envs = [s.denoising_env for s in call.batch.samples]
+    text_lengths = [tuple(len(env[branch]["encoder_hidden_states_mask"]) for branch in branches) for env in envs]
+    assert text_lengths == [(64, 32), (32, 32), (64, 32), (32, 64), (32, 32)]
+    # Three buckets of 2, 2 and 1 samples, each in whole micro-batches of 2: 6 rows a step, not 5 or 10.
+    assert call.transformer_rows == 2 * 6
+    for i, batched in enumerate(call.batch.samples):
+        alone = sample(pipeline, [prompts[i]], [seeds[i]], options, [negatives[i]]).samples[0]
+        for name in ("final_latents", "latents", "log_probs", "image"):
+            assert torch.equal(getattr(alone, name), getattr(batched, name)), (i, name)
+        assert torch.equal(alone.debug.model_outputs, batched.debug.model_outputs), i
+    rollout_log_probs = torch.stack([s.log_probs for s in call.batch.samples])
+    replayed = replay_log_probs(pipeline, call.batch.schedule, call.batch.options, call.batch.samples)
+    assert torch.equal(replayed.log_probs, rollout_log_probs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -228,7 +257,9 @@ def test_denoising_env_holds_every_transformer_input(pipelines, family):
     assert (env["guidance"] is not None) == has_guidance
     if family == "qwenimage":
         mask = env["pos_cond_kwargs"]["encoder_hidden_states_mask"]
-        assert mask.shape == (pipeline.max_sequence_length,) and 0 < mask.sum() < len(mask)
+        # padded to its length bucket, not to max_sequence_length
+        assert mask.shape == (pipeline.padded_text_length(int(mask.sum())),) and 0 < mask.sum() < len(mask)
+        assert len(mask) % pipeline.text_length_bucket == 0 and len(mask) < pipeline.max_sequence_length
         assert env["image_kwargs"]["img_shapes"].tolist() == [1, 32 // 16, SIZE // 16]  # (frames, token rows, token columns)
 
 

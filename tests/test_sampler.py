@@ -1,4 +1,5 @@
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -154,7 +155,8 @@ def test_ode_sampling_draws_nothing_and_scores_zero(random_pipeline):
 def test_denoising_env_holds_the_samples_conditioning(random_pipeline, guidance_scale):
     options = dict(num_inference_steps=2, return_denoising_env=True, guidance_scale=guidance_scale)
     batch = run(random_pipeline, ["2", "5"], [1, 2], **options)
-    encoded = random_pipeline.encode_prompts(["5"], [""], batch.options)
+    (bucket,) = random_pipeline.encode_prompts(["5"], [""], batch.options).buckets
+    encoded = bucket.conditioning
     env = batch.samples[1].denoising_env
     # SGLang's layout: transformer keyword arguments per branch; no negative branch without CFG.
     assert list(env) == ["image_kwargs", "pos_cond_kwargs", "neg_cond_kwargs", "guidance"]
@@ -314,3 +316,17 @@ def test_concat_keeps_one_schedule_and_refuses_mismatches(random_pipeline):
     assert joined.subset([2]).samples[0].schedule is a.schedule
     with pytest.raises(ValueError, match="options"):
         type(a).concat([a, run(random_pipeline, ["5"], [3], num_inference_steps=4)])
+
+
+def test_kept_tensors_are_written_into_one_buffer_each_and_a_part_pickles_only_its_own_rows(random_pipeline):
+    batch = run(random_pipeline, PROMPTS[:4], [0, 1, 2, 3], num_inference_steps=3, debug=True)
+    for name in ("latents", "log_probs", "debug.model_outputs", "debug.variance_noises"):
+        storages = {s.tensors()[name].untyped_storage().data_ptr() for s in batch.samples}
+        assert len(storages) == 1, name  # views of one buffer, not a copy per sample
+    part = batch.subset([1, 2])  # what a worker returns for one of the requests it batched
+    buffers = []
+    unpickled = pickle.loads(pickle.dumps(part, protocol=5, buffer_callback=buffers.append), buffers=buffers)
+    # Out of band, each field as one array of the part's rows: the bytes of its two samples, no more.
+    assert sum(memoryview(b).nbytes for b in buffers) == sum(t.nbytes for s in part.samples for t in s.tensors().values())
+    for original, copy in zip(part.samples, unpickled.samples):
+        assert_same_sample(original, copy)

@@ -80,6 +80,84 @@ class Conditioning:
 
         return cls(**{part.name: stacked(part.name) for part in dataclasses.fields(cls)})
 
+    def shapes(self) -> tuple:
+        """Every tensor's shape past the batch dimension, by part and name: rows whose shapes are
+        equal can share a transformer call."""
+
+        def shape_of(value):
+            if value is None or isinstance(value, torch.Tensor):
+                return None if value is None else tuple(value.shape[1:])
+            return tuple((name, tuple(t.shape[1:])) for name, t in value.items())
+
+        return tuple((part, shape_of(value)) for part, value in self.parts().items())
+
+
+@dataclass(frozen=True)
+class ConditioningBucket:
+    """Rows of a batch whose conditioning tensors all have the same shapes.
+
+    Attributes:
+        rows: `(n,)` int64, the batch rows the bucket holds, ascending.
+        conditioning: their conditioning, one row each in the order of `rows`; rows past `n` are
+            padding (`rollout.sampler.pad_buckets` pads each bucket to whole micro-batches).
+    """
+
+    rows: torch.Tensor
+    conditioning: Conditioning
+
+
+@dataclass(frozen=True)
+class BucketedConditioning:
+    """A batch's conditioning, split into buckets of rows of equal shapes.
+
+    Families that pad every prompt to one fixed length have one bucket. Qwen-Image pads a prompt to
+    a length bucket set by its own token count, so rows of one batch can differ in text length;
+    the sampler runs each bucket in micro-batches of its own, and a row's bits depend on its own
+    prompt's bucket, never on its companions'.
+    """
+
+    buckets: tuple[ConditioningBucket, ...]
+
+    @classmethod
+    def single(cls, conditioning: Conditioning) -> "BucketedConditioning":
+        """All rows in one bucket, in order."""
+        return cls((ConditioningBucket(torch.arange(len(conditioning)), conditioning),))
+
+    @classmethod
+    def grouped(
+        cls, keys: Sequence[Any], conditioning_of: Callable[[list[int]], Conditioning]
+    ) -> "BucketedConditioning":
+        """One bucket per distinct key (in the order keys first appear), `conditioning_of(rows)` its rows'."""
+        rows_by_key: dict[Any, list[int]] = {}
+        for row, key in enumerate(keys):
+            rows_by_key.setdefault(key, []).append(row)
+        return cls(
+            tuple(
+                ConditioningBucket(torch.tensor(rows, dtype=torch.int64), conditioning_of(rows))
+                for rows in rows_by_key.values()
+            )
+        )
+
+    @classmethod
+    def stack(cls, envs: Sequence[dict[str, Any]]) -> "BucketedConditioning":
+        """Inverse of `row`: a batch from per-sample `denoising_env` maps, bucketed by their shapes."""
+        one_row = [Conditioning.stack([env]) for env in envs]
+        return cls.grouped([c.shapes() for c in one_row], lambda rows: Conditioning.stack([envs[i] for i in rows]))
+
+    def __len__(self) -> int:
+        return sum(len(bucket.rows) for bucket in self.buckets)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "BucketedConditioning":
+        return BucketedConditioning(tuple(ConditioningBucket(b.rows, b.conditioning.map(fn)) for b in self.buckets))
+
+    def row(self, i: int) -> dict[str, Any]:
+        """Batch row `i`'s `denoising_env` (`Conditioning.row`)."""
+        for bucket in self.buckets:
+            (position,) = (bucket.rows == i).nonzero(as_tuple=True)
+            if len(position):
+                return bucket.conditioning.row(int(position[0]))
+        raise IndexError(f"row {i} of a batch of {len(self)}")
+
 
 def _map_tensors(parts: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
     def over(value):
@@ -242,12 +320,13 @@ class RolloutPipeline(Protocol):
 
     def encode_prompts(
         self, prompts: Sequence[str], negative_prompts: Sequence[str], options: SamplingOptions
-    ) -> Conditioning:
-        """Encodes one prompt (and one negative prompt) per sample.
+    ) -> BucketedConditioning:
+        """Encodes one prompt (and one negative prompt) per sample, each alone.
 
         `options` (with the model's defaults filled in) says whether the negative branch runs;
-        when it does not, `neg_cond_kwargs` is None. Raises `UnknownPromptError` naming
-        ``prompt`` or ``negative_prompt`` for a prompt the model cannot condition on.
+        when it does not, `neg_cond_kwargs` is None. Rows whose tensors differ in shape (a text
+        padded to its own length bucket) go to different buckets. Raises `UnknownPromptError`
+        naming ``prompt`` or ``negative_prompt`` for a prompt the model cannot condition on.
         """
         ...
 
@@ -260,7 +339,8 @@ class RolloutPipeline(Protocol):
             x_t: latents of shape `(B, *latent_shape)`, fp32.
             timestep: the transformer's time input for every row, shape `(B,)`: the
                 schedule's `model_timesteps` at this step.
-            conditioning: `B` rows, as `encode_prompts` made them for the same `options`.
+            conditioning: `B` rows of one bucket of what `encode_prompts` made for the same
+                `options`.
             options: the request's options with the model's defaults filled in; the model reads
                 its guidance from them (`guidance_scale`, `true_cfg_scale`).
 

@@ -9,7 +9,8 @@ calls the diffusers pipeline's own loop: `../shared/REAL_PIPELINES.md` (in the w
 
 Three rules hold for every family, so that a sample's bits never depend on its batch:
 - Each distinct prompt is encoded alone (text encoders and their padding differ by ULPs with
-  the batch size) and padded to a fixed length.
+  the batch size) and padded to a length that depends on it alone: a fixed one, or (Qwen-Image)
+  its own length bucket; rows of different lengths run in separate micro-batches.
 - The transformer runs on micro-batches of a fixed size (`MicroBatching`); the sampler pads.
 - The VAE decodes micro-batches of the same fixed size (padded).
 Latents between steps and all transition math stay fp32 whatever the weights' dtype; the
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from rollout.errors import ModelLoadError, UnknownPromptError
-from rollout.models.base import Conditioning, ImageSizeLimits, MicroBatching, zero_padded
+from rollout.models.base import BucketedConditioning, Conditioning, ImageSizeLimits, MicroBatching, zero_padded
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
@@ -199,25 +200,31 @@ class DiffusersFamily:
 
     def encode_prompts(
         self, prompts: Sequence[str], negative_prompts: Sequence[str], options: SamplingOptions
-    ) -> Conditioning:
+    ) -> BucketedConditioning:
         self.check_prompts(prompts, negative_prompts)
+        negatives = negative_prompts if self.uses_negative_branch(options) else None
         encoded: dict[str, dict[str, torch.Tensor]] = {}
-
-        def rows(texts: Sequence[str]) -> dict[str, torch.Tensor]:
-            for text in texts:
+        with torch.no_grad():
+            for text in (*prompts, *(negatives or ())):
                 if text not in encoded:
                     encoded[text] = self.encode_prompt(text)
+
+        def stacked(texts: Sequence[str]) -> dict[str, torch.Tensor]:
             return {name: torch.cat([encoded[t][name] for t in texts]) for name in encoded[texts[0]]}
 
-        with torch.no_grad():
-            positive = rows(prompts)
-            negative = rows(negative_prompts) if self.uses_negative_branch(options) else None
-        return Conditioning(
-            image_kwargs=self.image_kwargs(len(prompts), options),
-            pos_cond_kwargs=positive,
-            neg_cond_kwargs=negative,
-            guidance=self.guidance(len(prompts), options),
-        )
+        def conditioning_of(rows: list[int]) -> Conditioning:
+            return Conditioning(
+                image_kwargs=self.image_kwargs(len(rows), options),
+                pos_cond_kwargs=stacked([prompts[i] for i in rows]),
+                neg_cond_kwargs=None if negatives is None else stacked([negatives[i] for i in rows]),
+                guidance=self.guidance(len(rows), options),
+            )
+
+        def text_shapes(texts: Sequence[str] | None, row: int) -> tuple:
+            return () if texts is None else tuple(t.shape for t in encoded[texts[row]].values())
+
+        keys = [(text_shapes(prompts, row), text_shapes(negatives, row)) for row in range(len(prompts))]
+        return BucketedConditioning.grouped(keys, conditioning_of)
 
     def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
         """One prompt's transformer keyword arguments, each `(1, ...)`, encoded alone."""

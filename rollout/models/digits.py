@@ -21,6 +21,7 @@ from torch import nn
 
 from rollout.errors import InvalidRequestError, UnknownPromptError, short_repr
 from rollout.models.base import (
+    BucketedConditioning,
     Conditioning,
     ImageSizeLimits,
     MicroBatching,
@@ -216,12 +217,12 @@ class DigitFlowPipeline:
 
     def encode_prompts(
         self, prompts: Sequence[str], negative_prompts: Sequence[str], options: SamplingOptions
-    ) -> Conditioning:
+    ) -> BucketedConditioning:
         positive_ids, negative_ids = self._class_ids(prompts, negative_prompts)
         with torch.no_grad():
             positive = self._transformer_kwargs(positive_ids)
             negative = self._transformer_kwargs(negative_ids) if cfg_scale(options) != 1.0 else None
-        return Conditioning(pos_cond_kwargs=positive, neg_cond_kwargs=negative)
+        return BucketedConditioning.single(Conditioning(pos_cond_kwargs=positive, neg_cond_kwargs=negative))
 
     def _transformer_kwargs(self, class_ids: list[int]) -> dict[str, torch.Tensor]:
         prompt_embeds, pooled = self.prompt_encoder(torch.tensor(class_ids, device=self.device))

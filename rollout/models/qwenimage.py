@@ -2,8 +2,9 @@
 
 Text: Qwen2.5-VL's last hidden states after a chat template whose 34-token system prefix is
 dropped. The pipeline pads a batch to its longest prompt and drops the mask when nothing is
-padded, which makes a prompt's conditioning depend on its batch; here every prompt is padded to
-`max_sequence_length` with an explicit mask, alone. Latents are packed like FLUX.1's, the
+padded, which makes a prompt's conditioning depend on its batch; here every prompt is encoded
+alone and padded, with an explicit mask, to the multiple of `text_length_bucket` tokens above its
+own length (at most `max_sequence_length`), so the sampler runs prompts of one bucket together. Latents are packed like FLUX.1's, the
 schedule shifts with the image's token count and stretches to `shift_terminal`, and true CFG
 (`true_cfg_scale` > 1) rescales the guided velocity to the norm of the conditional one.
 """
@@ -24,6 +25,14 @@ class QwenImageFamily(PackedLatentFamily):
     diffusers_pipeline = "QwenImagePipeline"
     default_guidance_scale = 1.0  # read only by guidance-distilled weights; Qwen-Image's are not
     default_max_sequence_length = 512  # the pipeline's limit; a shorter one is faster
+
+    # Text lengths are padded up to a multiple of this: a prompt's padding depends on its own
+    # token count only, and a short prompt does not pay for `max_sequence_length` tokens.
+    text_length_bucket = 32
+
+    def padded_text_length(self, length: int) -> int:
+        """The length a prompt of `length` tokens (at most `max_sequence_length`) is padded to."""
+        return min(self.max_sequence_length, -(-length // self.text_length_bucket) * self.text_length_bucket)
 
     @property
     def image_size_limits(self) -> ImageSizeLimits:
@@ -47,7 +56,7 @@ class QwenImageFamily(PackedLatentFamily):
             prompt=[prompt], device=self.device, max_sequence_length=self.max_sequence_length
         )
         length = embeds.shape[1]
-        padding = self.max_sequence_length - length
+        padding = self.padded_text_length(length) - length
         valid = torch.ones((1, length), dtype=torch.long, device=embeds.device) if mask is None else mask
         return {
             "encoder_hidden_states": torch.cat([embeds, embeds.new_zeros(1, padding, embeds.shape[2])], dim=1),
