@@ -195,7 +195,8 @@ class Suite:
         self.section(
             "A burst of one-sample requests against one request",
             "The default application (2 worker replicas). 16 one-sample requests sent at once through the handle "
-            "against the same 16 samples as one request.",
+            "against the same 16 samples as one request. The burst's first request finds nothing else in flight; "
+            "its worker waits `batch_lone_wait_s` (0.05 s) after the last arrival, so the rest of the burst joins it.",
             "",
             "| figure | value |",
             "|---|---|",
@@ -213,8 +214,9 @@ class Suite:
         self.section(
             "Concurrent HTTP clients",
             "Each client sends one-sample light requests back to back (as SGLang clients send), msgpack "
-            "responses, against the default application. A lone request waits up to `batch_wait_timeout_s` "
-            "(0.25 s) for others to fill its micro-batch.",
+            "responses, against the default application. A request sent while nothing else is in flight "
+            "waits `batch_lone_wait_s` (0.05 s) on an idle worker; one sent while others are in flight, "
+            "and that would leave rows of the micro-batch empty, waits up to `batch_wait_timeout_s` (0.25 s).",
             "",
             *rows,
         )

@@ -3,13 +3,24 @@
 Serve's `@serve.batch` forms the next batch on a timer while the current one runs, so concurrent
 one-sample requests (how SGLang clients send) were split over several small sampler calls, each
 padded to the micro-batch. Here the sampler takes, each time it is free, all waiting work with
-the same options up to the batch limit, oldest first. An idle sampler waits (at most `wait_s`)
-only while the work it would take leaves rows of its last micro-batch empty: the transformer
-runs on fixed-size micro-batches, so a call of 2 samples costs as much as one of 8, and
-concurrent requests that arrive a few milliseconds apart should fill those rows.
+the same options up to the batch limit, oldest first. An idle sampler waits only while the work
+it would take leaves rows of its last micro-batch empty: the transformer runs on fixed-size
+micro-batches, so a call of 2 samples costs as much as one of 8, and concurrent requests that
+arrive a few milliseconds apart should fill those rows. How long depends on what may still come.
+Each work says how many other samples the ingress that sent it had in flight then
+(`SamplingWork.companions_in_flight`):
+- while a waiting work says there were more than wait here now, the sampler waits for them, at
+  most `wait_s` (they may also be on another replica: the wait is then in vain, as it always was);
+- when every work announced is here, no more can come from that ingress, except the rest of a
+  burst of requests whose first one reached an idle ingress (the ingress could not know they
+  follow). The sampler then waits only `lone_wait_s` after the last arrival: a lone request
+  starts almost at once, and a burst's requests, which arrive milliseconds apart, still meet.
+A work that says nothing (not sent by an ingress) is waited for as in the first case.
 
 Any grouping is safe: the sampler is batch invariant (fixed-size micro-batches, per-sample
-generators), so a sample's bits do not depend on which requests it was sampled with.
+generators), so a sample's bits do not depend on which requests it was sampled with. With
+several ingress replicas, work from another one may arrive just after the sampler started
+without waiting: that makes a smaller call, never other bits.
 """
 
 from __future__ import annotations
@@ -36,7 +47,10 @@ class SamplingQueue:
         run_group: samples a group of works in one sampler call; one result (or exception) per work.
         micro_batch_size: samples per transformer call for works with given options.
         max_samples: most samples per group (a single larger work is refused before it gets here).
-        wait_s: how long an idle sampler waits for work to fill its micro-batches.
+        wait_s: how long an idle sampler waits for work to fill its micro-batches while the
+            ingress said more was in flight.
+        lone_wait_s: how long after the last arrival it waits when the ingress said nothing else
+            was in flight (the first requests of a burst).
     """
 
     def __init__(
@@ -45,11 +59,14 @@ class SamplingQueue:
         micro_batch_size: Callable[[SamplingOptions], int],
         max_samples: int,
         wait_s: float,
+        lone_wait_s: float,
     ):
         self._run_group = run_group
         self._micro_batch_size = micro_batch_size
         self.max_samples = max_samples
         self.wait_s = wait_s
+        self.lone_wait_s = lone_wait_s
+        self._last_arrival = 0.0
         self._waiting: list[_Waiting] = []
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -60,6 +77,7 @@ class SamplingQueue:
             self._task = asyncio.create_task(self._serve())
         waiting = _Waiting(work)
         self._waiting.append(waiting)
+        self._last_arrival = asyncio.get_running_loop().time()
         self._arrived.set()
         return await waiting.result
 
@@ -73,6 +91,28 @@ class SamplingQueue:
         samples = sum(len(w.work) for w in self._waiting if w.work.options == options)
         return samples >= self.max_samples or samples % self._micro_batch_size(options) == 0
 
+    def _more_announced(self) -> bool:
+        """Whether a waiting work's ingress had more samples in flight when it sent it than wait here
+        now (a work that does not say counts as announcing more)."""
+        waiting = [w.work for w in self._waiting]
+        if any(work.companions_in_flight is None for work in waiting):
+            return True
+        return max(work.companions_in_flight + len(work) for work in waiting) > sum(len(work) for work in waiting)
+
+    async def _wait_for_companions(self, loop: asyncio.AbstractEventLoop) -> None:
+        started = loop.time()
+        while self._waiting and not self._fills_its_micro_batches():
+            deadline = started + self.wait_s
+            if not self._more_announced():
+                deadline = min(deadline, self._last_arrival + self.lone_wait_s)
+            if loop.time() >= deadline:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                return
+
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         idle = True
@@ -82,13 +122,7 @@ class SamplingQueue:
                 await self._arrived.wait()
                 idle = True
             if idle:  # give work sent together a moment to arrive together
-                deadline = loop.time() + self.wait_s
-                while not self._fills_its_micro_batches() and loop.time() < deadline:
-                    self._arrived.clear()
-                    try:
-                        await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
-                    except asyncio.TimeoutError:
-                        break
+                await self._wait_for_companions(loop)
             group = self._take_group()
             if not group:
                 continue

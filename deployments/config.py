@@ -190,7 +190,16 @@ class RolloutAppConfig(BaseModel):
     # A busy worker takes everything waiting as soon as it frees up (deployments/batching.py);
     # this wait only lets requests sent together reach an idle worker together.
     batch_wait_timeout_s: float = Field(
-        0.25, ge=0, description="How long an idle worker waits for concurrent work to fill its micro-batches."
+        0.25,
+        ge=0,
+        description="How long an idle worker waits for concurrent work to fill its micro-batches while the "
+        "ingress has other samples in flight.",
+    )
+    batch_lone_wait_s: float = Field(
+        0.05,
+        ge=0,
+        description="How long after the last arrival an idle worker waits with work the ingress sent while it had "
+        "nothing else in flight: a lone request, or the first of a burst whose rest is milliseconds behind.",
     )
     request_timeout_s: float = Field(
         600.0, gt=0, description="Seconds a request may take unless it gives rollout_timeout_s; then HTTP 504."

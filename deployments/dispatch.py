@@ -8,7 +8,9 @@ tests), so it is tested without Serve, as `deployments/batching.py` is:
 - admit: a request is refused while its samples would queue more than `max_queued_samples`
   (`OverloadedError`), or while the server stops (`StoppingError`);
 - send: each chunk's replica is chosen before the next chunk is sent, so that the router sees that
-  replica's new load when it places the next one;
+  replica's new load when it places the next one; each chunk carries the count of the other
+  samples this ingress has in flight (`SamplingWork.companions_in_flight`), so that an idle worker
+  does not wait for work that cannot come;
 - fetch: a part whose worker replica died, or whose reference died with the ingress that owned it,
   is sampled again: sampling is seeded, so its samples are bit-identical. After
   `worker_retry_attempts` tries, `WorkerLostError`;
@@ -30,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import ray
@@ -200,10 +202,14 @@ class Dispatcher:
         size = chunk_size(plan.num_samples, self.config.num_worker_replicas, self.config.max_batch_size)
         works = plan.work(size, deadline=deadline)
         self._admit(plan.num_samples)
+        stamped: list[SamplingWork] = []
         parts: list[Any] = []
         try:
             for work in works:
-                parts.append(await self.workers.send(work))
+                # What may still reach the worker along with it: an idle worker waits only for that.
+                companions = self._queued_on_workers() + self._routing_samples - len(work)
+                stamped.append(replace(work, companions_in_flight=companions))
+                parts.append(await self.workers.send(stamped[-1]))
                 self._routing_samples -= len(work)  # the router counts them from here on
         except BaseException:
             for part in parts:
@@ -215,7 +221,7 @@ class Dispatcher:
             plan.request_id,
             plan.seed,
             plan.num_outputs_per_prompt,
-            tuple(works),
+            tuple(stamped),
             tuple(parts),
             self.workers,
             self.config.worker_retry_attempts,

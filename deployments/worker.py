@@ -87,6 +87,7 @@ class RolloutWorker:
             lambda options: micro_batch_size(self.pipeline, options),
             config.max_batch_size,
             config.batch_wait_timeout_s,
+            config.batch_lone_wait_s,
         )
         self.weights = ServedWeights(self.pipeline, config.weight_version)
         self.memory = MemoryOccupation(self.pipeline)

@@ -65,6 +65,10 @@ class SamplingWork:
         options: the request's options (a worker fills in its model's defaults once, on arrival).
         weight_version: the weights the request requires; None: whichever are served.
         deadline: `time.time()` past which the work is not worth sampling.
+        companions_in_flight: the other samples the ingress that sent this work had in flight when
+            it sent it (admitted and not answered: on any worker replica, or still being routed;
+            its own request's other chunks included). 0: no other work of that ingress can be on
+            its way to the worker. None: unknown (the work was not sent by an ingress).
     """
 
     prompts: tuple[str, ...]
@@ -73,6 +77,7 @@ class SamplingWork:
     options: SamplingOptions
     weight_version: str | None = None
     deadline: float | None = None
+    companions_in_flight: int | None = None
 
     def __len__(self) -> int:
         return len(self.seeds)

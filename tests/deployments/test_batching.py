@@ -11,8 +11,9 @@ from rollout.plan import SamplingWork
 FOUR_STEPS, SIX_STEPS = SamplingOptions(num_inference_steps=4), SamplingOptions(num_inference_steps=6)
 
 
-def work(samples: int = 1, options: SamplingOptions = FOUR_STEPS) -> SamplingWork:
-    return SamplingWork(("1",) * samples, ("",) * samples, tuple(range(samples)), options)
+def work(samples: int = 1, options: SamplingOptions = FOUR_STEPS, companions: int | None = None) -> SamplingWork:
+    seeds = tuple(range(samples))
+    return SamplingWork(("1",) * samples, ("",) * samples, seeds, options, companions_in_flight=companions)
 
 
 class Sampler:
@@ -41,7 +42,7 @@ def run(coroutine):
 def test_requests_sent_together_share_one_call():
     async def scenario():
         sampler = Sampler()
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=0.05)
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=0.05, lone_wait_s=0.0)
         works = [work() for _ in range(16)]
         results = await asyncio.gather(*(queue.submit(w) for w in works))
         assert results == [f"result of {id(w)}" for w in works]  # each request gets its own
@@ -53,7 +54,7 @@ def test_requests_sent_together_share_one_call():
 def test_a_busy_sampler_takes_everything_that_waits_when_it_frees_up():
     async def scenario():
         sampler = Sampler(seconds=0.2)
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=0.0)
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=0.0, lone_wait_s=0.0)
         first = asyncio.create_task(queue.submit(work()))
         await asyncio.sleep(0.05)  # the first call is running
         later = []
@@ -69,7 +70,7 @@ def test_a_busy_sampler_takes_everything_that_waits_when_it_frees_up():
 def test_calls_keep_to_the_limit_and_to_equal_options_oldest_first():
     async def scenario():
         sampler = Sampler()
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.05)
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.05, lone_wait_s=0.0)
         works = [work(3), work(1, SIX_STEPS), work(3), work(3), work(2, SIX_STEPS)]
         await asyncio.gather(*(queue.submit(w) for w in works))
         positions = {id(w): i for i, w in enumerate(works)}
@@ -81,7 +82,7 @@ def test_calls_keep_to_the_limit_and_to_equal_options_oldest_first():
 def test_a_failed_call_fails_its_requests_only_and_the_queue_goes_on():
     async def scenario():
         sampler = Sampler(fail_steps=6)
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.05)
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.05, lone_wait_s=0.0)
         results = await asyncio.gather(
             queue.submit(work(1, SIX_STEPS)), queue.submit(work(1)), return_exceptions=True
         )
@@ -94,7 +95,7 @@ def test_a_failed_call_fails_its_requests_only_and_the_queue_goes_on():
 def test_a_cancelled_request_is_not_sampled():
     async def scenario():
         sampler = Sampler(seconds=0.1)
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.0)
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.0, lone_wait_s=0.0)
         running = asyncio.create_task(queue.submit(work(1)))
         await asyncio.sleep(0.03)
         cancelled = asyncio.create_task(queue.submit(work(2)))
@@ -113,7 +114,7 @@ def test_an_idle_sampler_waits_to_fill_its_micro_batch_not_longer():
     async def scenario():
         sampler = Sampler()
         # A wait far longer than `run`'s 30 s: the test ends only if a full micro-batch starts at once.
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=600)
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=600, lone_wait_s=0.0)
         tasks = [asyncio.create_task(queue.submit(work())) for _ in range(3)]
         await asyncio.sleep(0.05)
         assert sampler.calls == []  # 3 of a micro-batch of 4: still waiting
@@ -123,3 +124,30 @@ def test_an_idle_sampler_waits_to_fill_its_micro_batch_not_longer():
         return sampler.sizes()
 
     assert run(scenario()) == [4, 4]
+
+
+def test_an_idle_sampler_waits_only_briefly_when_every_work_its_ingress_had_in_flight_is_here():
+    async def scenario():
+        sampler = Sampler()
+        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=600, lone_wait_s=0.2)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await queue.submit(work(companions=0))  # 1 of a micro-batch of 4, and nothing else was in flight
+        assert loop.time() - start < 5  # lone_wait_s, not wait_s
+        # A burst of two from an idle ingress: the first says nothing else was in flight, the second
+        # counts the first. It joins within lone_wait_s; then all that was announced is here.
+        start = loop.time()
+        burst = [asyncio.create_task(queue.submit(work(companions=0)))]
+        await asyncio.sleep(0.05)
+        burst.append(asyncio.create_task(queue.submit(work(companions=1))))
+        await asyncio.gather(*burst)
+        assert loop.time() - start < 5
+        # Work whose ingress had 3 more samples in flight is waited for, until they fill the micro-batch.
+        tasks = [asyncio.create_task(queue.submit(work(companions=3)))]
+        await asyncio.sleep(0.3)  # past lone_wait_s
+        assert sampler.sizes() == [1, 2]
+        tasks += [asyncio.create_task(queue.submit(work(companions=3))) for _ in range(3)]
+        await asyncio.gather(*tasks)
+        return sampler.sizes()
+
+    assert run(scenario()) == [1, 2, 4]

@@ -48,6 +48,7 @@ class Workers:
         self.sent, self.cancelled, self._parts = [], [], parts
 
     async def send(self, work):
+        await asyncio.sleep(0)  # a replica accepts a part a round trip later: other requests run meanwhile
         self.sent.append(work)
         return self._parts(work, sum(w is work for w in self.sent))
 
@@ -66,6 +67,24 @@ def test_a_request_is_cut_so_every_replica_gets_a_share_and_no_chunk_passes_a_ba
     result = asyncio.run(dispatcher(workers).dispatch(plan(3), deadline=1e12))
     assert [work.seeds for work in workers.sent] == [(0, 1), (2,)]
     assert [r.work for r in asyncio.run(result.worker_results_async())] == workers.sent
+
+
+def test_each_part_says_how_many_other_samples_the_ingress_had_in_flight_when_it_was_sent():
+    def stamps_of(*plans):
+        workers = Workers()
+        # The router's count: sent and not answered (nothing is fetched here).
+        ingress = Dispatcher(workers, RolloutAppConfig(num_worker_replicas=2), lambda: sum(map(len, workers.sent)))
+
+        async def concurrently():
+            await asyncio.gather(*(ingress.dispatch(p, 1e12) for p in plans))
+
+        asyncio.run(concurrently())
+        return [(len(work), work.companions_in_flight) for work in workers.sent]
+
+    assert stamps_of(plan(1)) == [(1, 0)]  # a lone request: nothing else can reach its worker
+    assert stamps_of(plan(3)) == [(2, 1), (1, 2)]  # a request's chunks are each other's companions
+    # Of two requests sent together, the first sees nothing in flight; the second sees the first.
+    assert stamps_of(plan(1), plan(1)) == [(1, 0), (1, 1)]
 
 
 def test_admission_counts_queued_samples_and_refuses_beyond_the_limit():

@@ -138,14 +138,16 @@ def test_the_server_picks_and_returns_a_seed(http, base_url):
 
 
 def test_a_sample_is_the_same_alone_or_batched(http, base_url, handle):
-    body = {"prompt": "3", "num_inference_steps": 5, "seed": 4242, "rollout_return_dit_trajectory": True}
-    alone = post(http, base_url, body)[0]
-    # The same sample inside a burst of concurrent requests that the workers batch together.
-    responses = [handle.generate.remote({**body, "seed": 4242 + 100 * i}) for i in range(12)]
-    results = [r.result() for r in responses]
-    first = results[0].worker_results()[0]
-    assert first.sampler_batch_size > 1
-    batched = first.batch.samples[0]
+    body = {"prompt": "3", "num_inference_steps": 5, "rollout_return_dit_trajectory": True}
+    # A burst of concurrent requests that the workers batch together; take a sample of one that
+    # was batched (the first of a burst may have started alone).
+    seeds = [4242 + 100 * i for i in range(12)]
+    responses = [handle.generate.remote({**body, "seed": seed}) for seed in seeds]
+    parts = {seed: response.result().worker_results()[0] for seed, response in zip(seeds, responses)}
+    batched_seeds = [seed for seed, part in parts.items() if part.sampler_batch_size > 1]
+    assert batched_seeds, [part.sampler_batch_size for part in parts.values()]
+    batched = parts[batched_seeds[-1]].batch.samples[0]
+    alone = post(http, base_url, {**body, "seed": batched_seeds[-1]})[0]  # nothing else in flight: sampled alone
     for name, tensor in (("generated_output", batched.image), ("rollout_log_probs", batched.log_probs)):
         assert encode_tensor(alone[name])["data"] == encode_tensor(tensor)["data"]
     assert encode_tensor(alone["dit_trajectory"]["latents"])["data"] == encode_tensor(batched.latents)["data"]
