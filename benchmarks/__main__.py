@@ -14,6 +14,7 @@ import argparse
 import datetime
 import os
 import platform
+import tempfile
 from pathlib import Path
 
 import diffusers
@@ -22,7 +23,7 @@ import requests
 import torch
 from ray import serve
 
-from benchmarks import codec, schedule_exactness
+from benchmarks import codec, schedule_exactness, throughput
 from benchmarks.serving import (
     InProcessSampler,
     Spread,
@@ -38,6 +39,7 @@ from benchmarks.serving import (
 )
 from deployments.app import build_app
 from rollout.codec import to_json, to_msgpack
+from rollout.models.diffusers_family import DiffusersFamily
 from rollout.models.registry import load_pipeline
 from rollout.plan import RequestLimits, plan_rollout
 from rollout.rows import response_rows
@@ -274,6 +276,51 @@ class Suite:
             f"![fraction of steps whose rebuilt sigma differs]({png.name})",
         )
 
+    def against_the_diffusers_pipeline(self) -> None:
+        """Issue 18's comparison: the rollout against the family's own diffusers pipeline, at equal work."""
+        loads = [(1, False), (16, False), (64, False), (16, True), (64, True)]
+        micro_batch = DiffusersFamily.default_micro_batch_size
+        rounds = max(3, self.rounds // 2)
+        single_thread = torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count())  # as a trainer sampling in-process would run
+        try:
+            with tempfile.TemporaryDirectory() as root:
+                families = throughput.build_families(Path(root))
+                # Its calls take seconds at B=64: half the rounds of the other sections.
+                cells, _ = throughput.measure(families, [micro_batch], loads, rounds, calibrated=False)
+                memory = throughput.peak_memory({"sd3": families["sd3"]}, **throughput.MEMORY_LOAD)
+        finally:
+            torch.set_num_threads(single_thread)
+
+        def worst(selected) -> str:
+            name, _, batch_size, cfg, ratio = max(selected, key=lambda cell: cell[-1].median)
+            return f"{ratio} ({name}, B={batch_size}{' with CFG' if cfg else ''})"
+
+        self.targets += [
+            (
+                "rollout / diffusers pipeline time at B=16 and 64, every family, with and without CFG (worst cell)",
+                worst([c for c in cells if c[2] >= 16]),
+                "<= 1.05",
+            ),
+            ("rollout / diffusers pipeline time at B=1 (worst family)", worst([c for c in cells if c[2] == 1]), "<= 1.3 (stretch)"),
+            (
+                "peak memory, sd3, B=64, T=50, 256 px: rollout (target: 1.3 x latents kept + pipeline's peak)",
+                f"{memory[0].rollout / 1e6:.0f} MB (target {memory[0].target / 1e6:.0f} MB)",
+                "<= target",
+            ),
+        ]
+        self.section(
+            "The rollout against the diffusers pipeline it wraps",
+            f"`benchmarks/throughput.py` (details, other micro-batch sizes and the run before issue 18: "
+            f"docs/throughput.md): tiny SD3, FLUX.1 and Qwen-Image copies widened to width 128, 128 x 128 px, ODE, "
+            f"every latent and log-prob kept, micro-batch {micro_batch}, {os.cpu_count()} torch threads. Rollout "
+            f"time over `pipeline(..., output_type=\"latent\")` time, median (min - max) of {rounds} rounds.",
+            "",
+            *throughput.table(cells, loads),
+            "",
+            *throughput.memory_table(memory, **throughput.MEMORY_LOAD),
+        )
+
     def write(self, path: Path, elapsed_s: float) -> None:
         machine = f"{platform.machine()}, {os.cpu_count()} cores"
         versions = f"Python {platform.python_version()}, torch {torch.__version__}, diffusers {diffusers.__version__}, ray {ray.__version__}"
@@ -306,6 +353,7 @@ def main() -> None:
     suite.payload_bytes()
     suite.codec()
     suite.schedule(args.output.parent / "schedule_exactness.png")
+    suite.against_the_diffusers_pipeline()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     try:

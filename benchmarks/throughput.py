@@ -1,7 +1,8 @@
 """The rollout against the diffusers pipeline it wraps, at equal work (issue 18's table).
 
     .venv/bin/python -m benchmarks.throughput                       # the table, 5 rounds
-    .venv/bin/python -m benchmarks.throughput --micro-batch-sizes 4 16 --batch-sizes 1 4 16 64
+    .venv/bin/python -m benchmarks.throughput --micro-batch-sizes 4 16 --batch-sizes 1 4 16 64 --cfg-batch-sizes 16 64
+    .venv/bin/python -m benchmarks.throughput --families sd3 --memory    # peak memory too
     .venv/bin/python -m benchmarks.throughput --output docs/throughput.md
 
 Tiny SD3, FLUX.1 and Qwen-Image copies (`rollout/tiny_families.py`) widened to 8 heads (width 128),
@@ -15,11 +16,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
+import multiprocessing
 import os
 import platform
 import sys
 import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -37,6 +43,7 @@ TRANSFORMER_HEADS = 8  # width 128
 STEPS = {"sd3": 28, "flux": 28, "qwenimage": 10}
 PROMPT = "a photo of a cat"
 CALIBRATION_CANDIDATES = (1, 2, 4, 8, 16)
+MEMORY_LOAD = {"batch_size": 64, "steps": 50, "size": 256}  # issue 18's memory figure
 # With and without classifier-free guidance, as each family's pipeline turns it on and off.
 GUIDANCE = {
     "sd3": ({"guidance_scale": 1.0}, {"guidance_scale": 4.5}),
@@ -45,8 +52,8 @@ GUIDANCE = {
 }
 
 
-def build_families(root: Path) -> dict[str, Path]:
-    return {name: build(root / name, transformer_heads=TRANSFORMER_HEADS) for name, build in FAMILY_BUILDERS.items()}
+def build_families(root: Path, names=tuple(STEPS)) -> dict[str, Path]:
+    return {name: FAMILY_BUILDERS[name](root / name, transformer_heads=TRANSFORMER_HEADS) for name in names}
 
 
 def runs(family, name: str, batch_size: int, cfg: bool) -> dict:
@@ -107,6 +114,98 @@ def measure(families: dict[str, Path], micro_batch_sizes, loads, rounds: int, ca
     return cells, calibrations
 
 
+class PeakResidentMemory:
+    """The most resident memory this process held above what it held on entry, sampled every
+    millisecond by a thread (torch's kernels release the GIL), in bytes."""
+
+    def __enter__(self) -> Self:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._baseline = self._resident()
+        self.peak_bytes = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self._resident() - self._baseline)
+
+    def _resident(self) -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * self._page
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.001):
+            self.peak_bytes = max(self.peak_bytes, self._resident() - self._baseline)
+
+
+def memory_of(path: Path, which: str, batch_size: int, steps: int, size: int) -> int:
+    """Peak resident memory, in bytes, of one rollout or pipeline call in this (fresh) process."""
+    family = load_pipeline(None, path)
+    options = SamplingOptions(num_inference_steps=steps, height=size, width=size, sde_type=TransitionKind.ODE)
+    with PeakResidentMemory() as memory:
+        if which == "rollout":
+            batch = sample(family, [PROMPT] * batch_size, seeds=list(range(batch_size)), options=options)
+        else:
+            family.pipe(
+                prompt=PROMPT, num_images_per_prompt=batch_size, height=size, width=size,
+                num_inference_steps=steps, output_type="latent", generator=torch.Generator().manual_seed(0),
+            )  # fmt: skip
+    if which == "rollout":
+        del batch
+    return memory.peak_bytes
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """One family's peak resident memory above the loaded model, in bytes."""
+
+    family: str
+    kept: int  # the latents the rollout keeps
+    rollout: int
+    pipeline: int
+
+    @property
+    def target(self) -> float:
+        """Issue 18's bound on the rollout's peak: 1.3 x what it keeps, plus the pipeline's own peak."""
+        return 1.3 * self.kept + self.pipeline
+
+
+def peak_memory(families: dict[str, Path], batch_size: int, steps: int, size: int) -> list[PeakMemory]:
+    """Each call in a fresh process, so that no memory freed by an earlier one is reused."""
+    spawn = multiprocessing.get_context("spawn")
+    rows = []
+    for name, path in families.items():
+        peaks = {}
+        for which in ("rollout", "pipeline"):
+            with spawn.Pool(1) as pool:
+                peaks[which] = pool.apply(memory_of, (path, which, batch_size, steps, size))
+        latent_shape = load_pipeline(None, path).latent_shape(size, size)
+        kept = batch_size * (steps + 1) * math.prod(latent_shape) * 4
+        rows.append(PeakMemory(name, kept, **peaks))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def memory_table(rows: list[PeakMemory], batch_size: int, steps: int, size: int) -> list[str]:
+    lines = [
+        (
+            f"Peak resident memory above the loaded model, B={batch_size}, T={steps}, {size} x {size} px, ODE, every "
+            "latent kept, each call in a fresh process. The rollout decodes its images (in micro-batches); the "
+            "pipeline, called with `output_type=\"latent\"`, does not:"
+        ),
+        "",
+        "| family | latents kept | rollout peak | pipeline peak | target: 1.3 x kept + pipeline peak |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        figures = " | ".join(f"{value / 1e6:.0f} MB" for value in (row.kept, row.rollout, row.pipeline, row.target))
+        lines.append(f"| {row.family} | {figures} |")
+    return lines
+
+
 def table(cells: list[tuple], loads) -> list[str]:
     columns = [f"B={b}{' with CFG' if cfg else ''}" for b, cfg in loads]
     lines = ["| family (steps) | micro-batch | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
@@ -131,20 +230,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[4])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--cfg-batch-sizes", type=int, nargs="+", default=[16], help="batch sizes also run with CFG")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--calibrate", action="store_true", help="also measure the size calibrate picks")
     parser.add_argument("--output", type=Path, help="write the table, with the command and machine, here")
+    parser.add_argument("--families", nargs="+", choices=list(STEPS), default=list(STEPS))
+    parser.add_argument("--memory", action="store_true", help="also the peak memory table (B=64, T=50, 256 px)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    loads = [(b, False) for b in args.batch_sizes] + [(max(args.batch_sizes), True)]
+    loads = [(b, False) for b in args.batch_sizes] + [(b, True) for b in args.cfg_batch_sizes]
     with tempfile.TemporaryDirectory() as root:
-        families = build_families(Path(root))
+        families = build_families(Path(root), args.families)
         counts = parameter_counts(families)
         print(f"transformer parameters: {counts}")
         cells, calibrations = measure(families, args.micro_batch_sizes, loads, args.rounds, args.calibrate)
-    lines = table(cells, loads)
-    if calibrations:
-        lines += ["", "Calibration (`rollout.calibration.calibrate`, with CFG):", "", *(f"- {c}" for c in calibrations)]
+        lines = table(cells, loads)
+        if calibrations:
+            lines += ["", "Calibration (`rollout.calibration.calibrate`, with CFG):", "", *(f"- {c}" for c in calibrations)]
+        if args.memory:
+            memory = peak_memory(families, **MEMORY_LOAD)
+            lines += ["", *memory_table(memory, **MEMORY_LOAD)]
     print("\n".join(lines))
     if args.output is not None:
         head = [
