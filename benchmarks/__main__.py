@@ -1,6 +1,6 @@
 """The benchmark suite: every serving figure in one run, written to docs/benchmarks.md.
 
-    .venv/bin/python -m benchmarks               # about 8 minutes on 2 cores
+    .venv/bin/python -m benchmarks               # about 27 minutes on 2 cores
     .venv/bin/python -m benchmarks --rounds 3    # quicker, noisier
 
 Starts a local Ray cluster with three applications (one worker replica; two; the default
