@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[4])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--cfg-batch-sizes", type=int, nargs="+", default=[16], help="batch sizes also run with CFG")
+    parser.add_argument("--cfg-batch-sizes", type=int, nargs="*", default=[16], help="batch sizes also run with CFG")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--calibrate", action="store_true", help="also measure the size calibrate picks")
     parser.add_argument("--output", type=Path, help="write the table, with the command and machine, here")
