@@ -147,14 +147,12 @@ def memory_of(path: Path, which: str, batch_size: int, steps: int, size: int) ->
     options = SamplingOptions(num_inference_steps=steps, height=size, width=size, sde_type=TransitionKind.ODE)
     with PeakResidentMemory() as memory:
         if which == "rollout":
-            batch = sample(family, [PROMPT] * batch_size, seeds=list(range(batch_size)), options=options)
+            sample(family, [PROMPT] * batch_size, seeds=list(range(batch_size)), options=options)
         else:
             family.pipe(
                 prompt=PROMPT, num_images_per_prompt=batch_size, height=size, width=size,
                 num_inference_steps=steps, output_type="latent", generator=torch.Generator().manual_seed(0),
             )  # fmt: skip
-    if which == "rollout":
-        del batch
     return memory.peak_bytes
 
 

@@ -80,17 +80,6 @@ class Conditioning:
 
         return cls(**{part.name: stacked(part.name) for part in dataclasses.fields(cls)})
 
-    def shapes(self) -> tuple:
-        """Every tensor's shape past the batch dimension, by part and name: rows whose shapes are
-        equal can share a transformer call."""
-
-        def shape_of(value):
-            if value is None or isinstance(value, torch.Tensor):
-                return None if value is None else tuple(value.shape[1:])
-            return tuple((name, tuple(t.shape[1:])) for name, t in value.items())
-
-        return tuple((part, shape_of(value)) for part, value in self.parts().items())
-
 
 @dataclass(frozen=True)
 class ConditioningBucket:
@@ -141,8 +130,7 @@ class BucketedConditioning:
     @classmethod
     def stack(cls, envs: Sequence[dict[str, Any]]) -> "BucketedConditioning":
         """Inverse of `row`: a batch from per-sample `denoising_env` maps, bucketed by their shapes."""
-        one_row = [Conditioning.stack([env]) for env in envs]
-        return cls.grouped([c.shapes() for c in one_row], lambda rows: Conditioning.stack([envs[i] for i in rows]))
+        return cls.grouped([_env_shapes(env) for env in envs], lambda rows: Conditioning.stack([envs[i] for i in rows]))
 
     def __len__(self) -> int:
         return sum(len(bucket.rows) for bucket in self.buckets)
@@ -157,6 +145,17 @@ class BucketedConditioning:
             if len(position):
                 return bucket.conditioning.row(int(position[0]))
         raise IndexError(f"row {i} of a batch of {len(self)}")
+
+
+def _env_shapes(env: dict[str, Any]) -> tuple:
+    """A `denoising_env`'s tensor shapes by part and name: rows of equal shapes share a bucket."""
+
+    def shape_of(value):
+        if value is None or isinstance(value, torch.Tensor):
+            return None if value is None else tuple(value.shape)
+        return tuple((name, tuple(t.shape)) for name, t in value.items())
+
+    return tuple((part, shape_of(value)) for part, value in env.items())
 
 
 def _map_tensors(parts: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
