@@ -84,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--true-cfg-scale", type=float, help="the requests' true_cfg_scale")
     calibrate.add_argument("--repeats", type=int, default=3, help="timed calls per candidate; the fastest counts")
     calibrate.add_argument(
+        "--batch-invariance",
+        default="padding",
+        choices=["padding", "kernels"],
+        help="measure under this model.batch_invariance; 'kernels' also checks, at each size, that a sample's "
+        "bits do not depend on its call here (--write then sets model.batch_invariance too)",
+    )
+    calibrate.add_argument(
         "--write",
         metavar="FILE",
         type=Path,
@@ -257,7 +264,9 @@ def calibrate(arguments: argparse.Namespace) -> None:
     import torch
 
     from rollout.calibration import calibrate as measure
+    from rollout.calibration import check_batch_invariance
     from rollout.errors import RolloutError
+    from rollout.models.base import MicroBatching
     from rollout.models.registry import load_pipeline
 
     sizes = [_image_size(text) for text in arguments.size or []]
@@ -268,30 +277,46 @@ def calibrate(arguments: argparse.Namespace) -> None:
     }
     try:
         pipeline = load_pipeline(None, arguments.model, dtype=getattr(torch, arguments.dtype))
+        pipeline.micro_batching = MicroBatching(pipeline.micro_batching.default, invariance=arguments.batch_invariance)
         sizes = sizes or [(pipeline.default_height, pipeline.default_width)]
         results = [
             measure(pipeline, h, w, tuple(arguments.candidates), guidance, repeats=arguments.repeats) for h, w in sizes
         ]
+        kernels = arguments.batch_invariance == "kernels"
+        checks = [check_batch_invariance(pipeline, h, w, guidance) for h, w in sizes] if kernels else []
     except (RolloutError, ValueError) as error:
         raise SystemExit(f"calibrate: {error}") from None
     candidates = sorted(set(arguments.candidates))
-    print(f"{pipeline.name}, {arguments.dtype}, on {pipeline.device}: ms per row of a full transformer call")
+    print(
+        f"{pipeline.name}, {arguments.dtype}, on {pipeline.device}, batch invariance by {arguments.batch_invariance}: "
+        "ms per row of a full transformer call"
+    )
     print("| size | " + " | ".join(map(str, candidates)) + " | chosen |")
     print("|---" * (len(candidates) + 2) + "|")
     for result in results:
         per_row = " | ".join(f"{result.seconds_per_row[c] * 1e3:.2f}" for c in candidates)
         print(f"| {result.size_key} | {per_row} | {result.chosen} |")
+    for result, check in zip(results, checks):
+        verdict = "holds" if check.holds else "does NOT hold: use padding"
+        print(
+            f"{result.size_key}: a sample alone and beside two others, velocity differs by "
+            f"{check.velocity_difference:.3g}, image by {check.image_difference:.3g}: batch invariance {verdict}"
+        )
+    if not all(check.holds for check in checks):
+        raise SystemExit(1)
     table = {result.size_key: result.chosen for result in results}
     print(f"model.micro_batch_sizes: {json.dumps(table)}")
     if arguments.write is not None:
-        _write_micro_batch_sizes(arguments.write, table)
+        _write_micro_batch_sizes(arguments.write, table, arguments.batch_invariance if kernels else None)
         print(f"wrote them into {arguments.write}")
 
 
-def _write_micro_batch_sizes(path: Path, table: dict[str, int]) -> None:
+def _write_micro_batch_sizes(path: Path, table: dict[str, int], batch_invariance: str | None) -> None:
     config = _read_serve_config(path)
     model = config["applications"][0].setdefault("args", {}).setdefault("model", {})
     model["micro_batch_sizes"] = {**(model.get("micro_batch_sizes") or {}), **table}
+    if batch_invariance is not None:  # the sizes were measured under it
+        model["batch_invariance"] = batch_invariance
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 

@@ -1,10 +1,14 @@
-"""Choosing the micro-batch by measurement.
+"""Measurements on the serving device: the micro-batch size, and whether fixed-block kernels hold.
 
-Batch invariance needs every transformer call to take the same number of rows, not a small one.
-Larger calls cost less per row until the device is saturated, and a lone sample pays for the rows
-its call is padded to. `calibrate` times the model's call at each candidate size on this device,
-in this dtype, at one image size, and picks the smallest size whose time per row is within
-`tolerance` of the best: the throughput of the largest calls for the least padding.
+With padding, batch invariance needs every transformer call to take the same number of rows, not a
+small one. Larger calls cost less per row until the device is saturated, and a lone sample pays for
+the rows its call is padded to. `calibrate` times the model's call at each candidate size on this
+device, in this dtype, at one image size, and picks the smallest size whose time per row is within
+`tolerance` of the best: the throughput of the largest calls for the least padding. Under
+fixed-block kernels nothing is padded, so it picks the size with the best time per row.
+
+`check_batch_invariance` tests, on the device, what fixed-block kernels promise: a sample's
+velocity and image alone equal its velocity and image in a call of three, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.models.base import RolloutPipeline
+from rollout.errors import ModelLoadError
+from rollout.kernels import BatchInvariance
+from rollout.models.base import Conditioning, RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import pad_conditioning, resolve_options
 
@@ -29,7 +35,8 @@ class Calibration:
 
     Attributes:
         seconds_per_row: candidate micro-batch size -> the best time of one full call, per row.
-        chosen: the smallest candidate within the tolerance of the best time per row.
+        chosen: the smallest candidate within the tolerance of the best time per row (with padding),
+            or the best (under fixed-block kernels).
     """
 
     height: int
@@ -43,6 +50,19 @@ class Calibration:
         return f"{self.height}x{self.width}"
 
 
+def _probe(
+    pipeline: RolloutPipeline, height: int, width: int, guidance: dict | None
+) -> tuple[SamplingOptions, tuple[int, ...], Conditioning, torch.Tensor]:
+    """What a probing model call takes: the options, the latent shape, one row of conditioning
+    (`CALIBRATION_PROMPT`, on the CPU) and the first step's time input (on the device)."""
+    options = resolve_options(
+        pipeline, SamplingOptions(height=height, width=width, num_inference_steps=2, **(guidance or {}))
+    )
+    (one_row,) = pipeline.encode_prompts([CALIBRATION_PROMPT], [""], options).buckets
+    timestep = pipeline.schedule(options.num_inference_steps, height, width).model_timesteps[0].to(pipeline.device)
+    return options, pipeline.latent_shape(height, width), one_row.conditioning, timestep
+
+
 def calibrate(
     pipeline: RolloutPipeline,
     height: int,
@@ -52,7 +72,8 @@ def calibrate(
     repeats: int = 3,
     tolerance: float = 0.05,
 ) -> Calibration:
-    """Times `pipeline.predict_velocity` on `candidate` rows of random latents, for each candidate.
+    """Times `pipeline.predict_velocity` on `candidate` rows of random latents, for each candidate,
+    under the pipeline's kernels (`MicroBatching.kernels`).
 
     Args:
         guidance: `guidance_scale` / `true_cfg_scale` of the requests to serve (CFG doubles the
@@ -61,19 +82,14 @@ def calibrate(
     """
     if not candidates or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in candidates):
         raise ValueError(f"candidates must be integers >= 1, got {candidates!r}")
-    options = resolve_options(
-        pipeline, SamplingOptions(height=height, width=width, num_inference_steps=2, **(guidance or {}))
-    )
-    latent_shape = pipeline.latent_shape(height, width)
-    (one_row,) = pipeline.encode_prompts([CALIBRATION_PROMPT], [""], options).buckets
-    timestep = pipeline.schedule(options.num_inference_steps, height, width).model_timesteps[0].to(pipeline.device)
+    options, latent_shape, one_row, timestep = _probe(pipeline, height, width, guidance)
     generator = torch.Generator().manual_seed(0)
     seconds_per_row = {}
     for rows in sorted(set(candidates)):
-        conditioning = pad_conditioning(one_row.conditioning, rows).map(lambda t: t.to(pipeline.device))
+        conditioning = pad_conditioning(one_row, rows).map(lambda t: t.to(pipeline.device))
         x_t = torch.randn((rows, *latent_shape), generator=generator).to(pipeline.device)
         times = []
-        with torch.no_grad():
+        with torch.no_grad(), pipeline.micro_batching.kernels():
             for _ in range(repeats + 1):
                 started = time.perf_counter()
                 pipeline.predict_velocity(x_t, timestep.expand(rows), conditioning, options)
@@ -82,5 +98,68 @@ def calibrate(
                 times.append(time.perf_counter() - started)
         seconds_per_row[rows] = min(times[1:]) / rows
     best = min(seconds_per_row.values())
+    if pipeline.micro_batching.invariance is BatchInvariance.KERNELS:
+        tolerance = 0.0  # a call takes only the rows there are: a larger size costs a lone sample nothing
     chosen = min(rows for rows, seconds in seconds_per_row.items() if seconds <= best * (1 + tolerance))
     return Calibration(height, width, seconds_per_row, chosen)
+
+
+@dataclass(frozen=True)
+class InvarianceCheck:
+    """A sample alone against the same sample at position 1 of a call of three, on one device.
+
+    Attributes:
+        velocity_difference: the largest absolute difference of its velocity.
+        image_difference: the largest absolute difference of its decoded image.
+    """
+
+    device: str
+    velocity_difference: float
+    image_difference: float
+
+    @property
+    def holds(self) -> bool:
+        return self.velocity_difference == 0 and self.image_difference == 0
+
+
+def check_batch_invariance(
+    pipeline: RolloutPipeline, height: int, width: int, guidance: dict | None = None
+) -> InvarianceCheck:
+    """Computes one sample's velocity and image alone and beside two others, under the pipeline's
+    kernels, each in one model call (`MicroBatching.kernels`, no padding), and compares the bits.
+
+    Fixed-block kernels promise equality; padding promises it only for calls of the micro-batch's
+    size, so with `BatchInvariance.PADDING` a difference shows what padding is for.
+
+    Args:
+        guidance: `guidance_scale` / `true_cfg_scale` of the requests to serve (classifier-free
+            guidance changes the calls); None keeps the model's default.
+    """
+    options, latent_shape, one_row, timestep = _probe(pipeline, height, width, guidance)
+    three_rows = pad_conditioning(one_row, 3).map(lambda t: t.to(pipeline.device))
+    x_t = torch.randn((3, *latent_shape), generator=torch.Generator().manual_seed(0)).to(pipeline.device)
+    probe_last = torch.tensor([1, 0, 2], device=pipeline.device)  # the probe, x_t[0], at position 1
+    with torch.no_grad(), pipeline.micro_batching.kernels():
+        alone = pipeline.predict_velocity(x_t[:1], timestep.expand(1), three_rows.rows(slice(0, 1)), options)
+        beside = pipeline.predict_velocity(x_t[probe_last], timestep.expand(3), three_rows, options)[1:2]
+        image_alone = pipeline.decode(x_t[:1])
+        image_beside = pipeline.decode(x_t[probe_last])[1:2]
+    return InvarianceCheck(
+        device=str(pipeline.device),
+        velocity_difference=(alone - beside).abs().max().item(),
+        image_difference=(image_alone - image_beside).abs().max().item(),
+    )
+
+
+def require_batch_invariance(pipeline: RolloutPipeline, height: int, width: int) -> None:
+    """Raises `ModelLoadError` naming ``model.batch_invariance`` unless `check_batch_invariance` holds
+    at this size with the model's default guidance: a server's refusal to serve with kernels that do
+    not keep a sample's bits on its device."""
+    check = check_batch_invariance(pipeline, height, width)
+    if not check.holds:
+        raise ModelLoadError(
+            "model.batch_invariance",
+            f"'kernels' does not keep a sample's bits on {check.device} for this model: alone and beside two "
+            f"others, its velocity differs by {check.velocity_difference:.3g} and its image by "
+            f"{check.image_difference:.3g}; use 'padding'",
+        )

@@ -17,7 +17,7 @@ import torch
 from rollout.errors import InvalidRequestError
 from rollout.models.base import BucketedConditioning, RolloutPipeline
 from rollout.options import SamplingOptions
-from rollout.sampler import micro_batch_size, pad_buckets, predict_velocity
+from rollout.sampler import pad_buckets, predict_velocity
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import SampleTrajectory
 from rollout.transitions import take_step
@@ -98,7 +98,7 @@ def transition_log_probs(
     latents = torch.stack([s.latents for s in samples]).to(device)  # (N, K, ...)
     sigmas = schedule.sigmas.to(device)
     conditioning = _conditioning_of(pipeline, options, samples)
-    padded_conditioning = pad_buckets(conditioning, micro_batch_size(pipeline, options))
+    padded_conditioning = pad_buckets(pipeline, conditioning, options)
 
     log_probs = []
     for step in steps:

@@ -4,9 +4,10 @@ Two properties hold by construction and are tested:
 - Determinism: sample i draws everything from its own CPU generator seeded `seeds[i]`
   (its initial noise first, then one draw per stochastic step).
 - Batch invariance: a sample's trajectory is bit-identical whether it is generated alone or in
-  any batch, because the model always runs on micro-batches of exactly the pipeline's
-  micro-batch size for the image size (padded), each of rows of one conditioning bucket (rows
-  whose text is padded to the same length), so every row sees the same kernels.
+  any batch. The model runs on micro-batches, each of rows of one conditioning bucket (rows whose
+  text is padded to the same length), and either every micro-batch is padded to exactly the
+  pipeline's micro-batch size for the image size, so every row sees the same kernels, or the
+  calls take the rows there are and run under fixed-block kernels (`rollout.kernels`).
 
 Memory: the conditioning stays on the CPU and goes to the device one micro-batch at a time,
 and every latent and debug tensor kept leaves the device as it is produced, into one host
@@ -17,6 +18,7 @@ memory grows with the micro-batch, host memory with what is kept, once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -46,24 +48,26 @@ def resolve_options(pipeline: RolloutPipeline, options: SamplingOptions) -> Samp
 
 
 def micro_batch_size(pipeline: RolloutPipeline, options: SamplingOptions) -> int:
-    """Samples per transformer call for a request with `options` (model defaults filled in)."""
+    """Samples per model call for a request with `options` (model defaults filled in)."""
     return pipeline.micro_batching.size_for(options.height, options.width)
 
 
-def pad_conditioning(conditioning: Conditioning, micro_batch_size: int) -> Conditioning:
-    """Pads to a multiple of `micro_batch_size` rows by repeating the last row."""
-    missing = -len(conditioning) % micro_batch_size
+def pad_conditioning(conditioning: Conditioning, rows: int) -> Conditioning:
+    """Pads to `rows` rows by repeating the last row."""
+    missing = rows - len(conditioning)
     if missing == 0:
         return conditioning
     filler = torch.full((missing,), len(conditioning) - 1, dtype=torch.long)
     return conditioning.map(lambda t: torch.cat([t, t[filler.to(t.device)]]))
 
 
-def pad_buckets(conditioning: BucketedConditioning, micro_batch_size: int) -> BucketedConditioning:
-    """Each bucket padded to whole micro-batches (`pad_conditioning`)."""
+def pad_buckets(pipeline: RolloutPipeline, conditioning: BucketedConditioning, options: SamplingOptions) -> BucketedConditioning:
+    """Each bucket padded to the rows its model calls compute (`MicroBatching.padded_rows`)."""
+    padded_rows = functools.partial(pipeline.micro_batching.padded_rows, height=options.height, width=options.width)
     return BucketedConditioning(
         tuple(
-            ConditioningBucket(b.rows, pad_conditioning(b.conditioning, micro_batch_size)) for b in conditioning.buckets
+            ConditioningBucket(b.rows, pad_conditioning(b.conditioning, padded_rows(len(b.rows))))
+            for b in conditioning.buckets
         )
     )
 
@@ -75,8 +79,8 @@ def predict_velocity(
     padded_conditioning: BucketedConditioning,
     options: SamplingOptions,
 ) -> torch.Tensor:
-    """The pipeline's velocity for `(B, ...)` latents, computed on fixed-size micro-batches, each
-    of rows of one conditioning bucket.
+    """The pipeline's velocity for `(B, ...)` latents, computed in the pipeline's micro-batches
+    (`MicroBatching.calls`), each of rows of one conditioning bucket.
 
     Args:
         timestep: `()` the transformer's time input at this step (`model_timesteps[step]`),
@@ -84,26 +88,27 @@ def predict_velocity(
         padded_conditioning: the batch's conditioning after `pad_buckets`, on any device.
         options: the request's options, with the model's defaults filled in.
     """
-    rows = micro_batch_size(pipeline, options)
-    device = pipeline.device
-    timesteps = timestep.to(device).expand(rows)
+    micro_batching, device = pipeline.micro_batching, pipeline.device
+    timestep = timestep.to(device)
     velocity = torch.empty_like(x_t)
-    for bucket in padded_conditioning.buckets:
-        padded_size = len(bucket.conditioning)
-        if padded_size % rows:
-            raise ValueError(f"conditioning of {padded_size} rows is not padded to micro-batches of {rows}")
-        batch_rows = bucket.rows.to(x_t.device)
-        x_padded = zero_padded(x_t[batch_rows], rows)
-        velocities = [
-            pipeline.predict_velocity(
-                x_padded[start : start + rows],
-                timesteps,
-                bucket.conditioning.rows(slice(start, start + rows)).map(lambda t: t.to(device)),
-                options,
-            )
-            for start in range(0, padded_size, rows)
-        ]
-        velocity[batch_rows] = torch.cat(velocities)[: len(batch_rows)]
+    with micro_batching.kernels():
+        for bucket in padded_conditioning.buckets:
+            calls = micro_batching.calls(len(bucket.rows), options.height, options.width)
+            padded_size = len(bucket.conditioning)
+            if padded_size != calls[-1].stop:
+                raise ValueError(f"conditioning of {padded_size} rows is not padded to its calls' {calls[-1].stop}")
+            batch_rows = bucket.rows.to(x_t.device)
+            x_padded = zero_padded(x_t[batch_rows], padded_size)
+            velocities = [
+                pipeline.predict_velocity(
+                    x_padded[call],
+                    timestep.expand(call.stop - call.start),
+                    bucket.conditioning.rows(call).map(lambda t: t.to(device)),
+                    options,
+                )
+                for call in calls
+            ]
+            velocity[batch_rows] = torch.cat(velocities)[: len(batch_rows)]
     return velocity
 
 
@@ -180,7 +185,7 @@ def sample_call(
     batch_size, num_steps = len(prompts), options.num_inference_steps
 
     conditioning = pipeline.encode_prompts(prompts, negative_prompts, options).map(lambda t: t.cpu())
-    padded_conditioning = pad_buckets(conditioning, micro_batch_size(pipeline, options))
+    padded_conditioning = pad_buckets(pipeline, conditioning, options)
     schedule = pipeline.schedule(num_steps, options.height, options.width)
     sigmas = schedule.sigmas.to(device)
     generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in seeds]
@@ -226,7 +231,8 @@ def sample_call(
             else:
                 noises[:, step].copy_(noise, non_blocking=True)
 
-    images = pipeline.decode(x_t).cpu()
+    with pipeline.micro_batching.kernels():
+        images = pipeline.decode(x_t).cpu()
     final_latents = x_t.cpu()
     if device.type == "cuda":  # the non-blocking copies above have landed only once the stream is done
         torch.cuda.current_stream(device).synchronize()

@@ -7,6 +7,7 @@ for its schedule (`set_timesteps`); the transitions themselves live in `rollout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
@@ -15,6 +16,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.errors import InvalidRequestError
+from rollout.kernels import DEFAULT_BLOCK_ROWS, BatchInvariance, kernels_for
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
 
@@ -88,7 +90,7 @@ class ConditioningBucket:
     Attributes:
         rows: `(n,)` int64, the batch rows the bucket holds, ascending.
         conditioning: their conditioning, one row each in the order of `rows`; rows past `n` are
-            padding (`rollout.sampler.pad_buckets` pads each bucket to whole micro-batches).
+            padding (`rollout.sampler.pad_buckets` pads each bucket to `MicroBatching.padded_rows`).
     """
 
     rows: torch.Tensor
@@ -194,9 +196,9 @@ def batched_cfg_velocity(
 
 
 def zero_padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """`tensor` with zero rows appended up to a multiple of `rows`: the padding of a fixed-size
-    micro-batch, whose results for the padded rows are dropped."""
-    return torch.cat([tensor, tensor.new_zeros((-len(tensor) % rows, *tensor.shape[1:]))])
+    """`tensor` with zero rows appended up to `rows` rows: the padding of fixed-size calls, whose
+    results for the padded rows are dropped."""
+    return torch.cat([tensor, tensor.new_zeros((rows - len(tensor), *tensor.shape[1:]))])
 
 
 def parse_image_size(text: str) -> tuple[int, int] | None:
@@ -207,27 +209,47 @@ def parse_image_size(text: str) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class MicroBatching:
-    """How many samples the transformer takes per call, per image size.
+    """How many samples the transformer and the VAE take per call, per image size, and what makes a
+    sample's bits independent of the others in its call (`rollout.kernels`).
 
-    The sampler pads every call to exactly this many rows, so a sample's bits never depend on
-    what it was batched with. Larger images need smaller micro-batches to fit in memory, hence
-    the sizes per resolution.
+    With `BatchInvariance.PADDING` (the default) every call takes exactly the micro-batch's rows:
+    the last call is padded, so a lone sample costs a whole micro-batch. With
+    `BatchInvariance.KERNELS` a call takes the rows there are, at most the micro-batch, and runs
+    under `FixedBlockKernels(block_rows)`. Either way, larger images need smaller calls to fit in
+    memory, hence the sizes per resolution.
 
     Attributes:
         default: samples per call for any size not in `by_size`.
         by_size: `(height, width)` -> samples per call.
+        invariance: padding, or fixed-block kernels.
+        block_rows: token rows per linear block under `BatchInvariance.KERNELS`.
     """
 
     default: int
     by_size: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    invariance: BatchInvariance = BatchInvariance.PADDING
+    block_rows: int = DEFAULT_BLOCK_ROWS
 
     def __post_init__(self):
         for size, rows in {"default": self.default, **{f"{h}x{w}": n for (h, w), n in self.by_size.items()}}.items():
             if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
                 raise InvalidRequestError("micro_batch_size", f"{size}: must be an integer >= 1, got {rows!r}")
+        try:
+            object.__setattr__(self, "invariance", BatchInvariance(self.invariance))
+        except ValueError:
+            choices = [member.value for member in BatchInvariance]
+            raise InvalidRequestError("batch_invariance", f"must be one of {choices}, got {self.invariance!r}") from None
+        if isinstance(self.block_rows, bool) or not isinstance(self.block_rows, int) or self.block_rows < 1:
+            raise InvalidRequestError("kernel_block_rows", f"must be an integer >= 1, got {self.block_rows!r}")
 
     @classmethod
-    def parse(cls, default: int, by_size: Mapping[str, int] | None = None) -> "MicroBatching":
+    def parse(
+        cls,
+        default: int,
+        by_size: Mapping[str, int] | None = None,
+        invariance: BatchInvariance | str = BatchInvariance.PADDING,
+        block_rows: int = DEFAULT_BLOCK_ROWS,
+    ) -> "MicroBatching":
         """From configuration: `by_size` keyed by ``"<height>x<width>"``, e.g. ``{"1024x1024": 2}``."""
         sizes = {}
         for key, rows in (by_size or {}).items():
@@ -235,10 +257,27 @@ class MicroBatching:
             if size is None:
                 raise InvalidRequestError("micro_batch_sizes", f"keys look like '512x512', got {key!r}")
             sizes[size] = rows
-        return cls(default, sizes)
+        return cls(default, sizes, invariance, block_rows)
 
     def size_for(self, height: int, width: int) -> int:
         return self.by_size.get((height, width), self.default)
+
+    def calls(self, rows: int, height: int, width: int) -> list[slice]:
+        """The model calls that compute `rows` samples of an image size, as slices of their rows
+        padded to `padded_rows` (padding makes every call a whole micro-batch)."""
+        size = self.size_for(height, width)
+        padded = self.padded_rows(rows, height, width)
+        return [slice(start, min(start + size, padded)) for start in range(0, padded, size)]
+
+    def padded_rows(self, rows: int, height: int, width: int) -> int:
+        """Rows computed for `rows` samples: whole micro-batches with padding, `rows` with fixed-block kernels."""
+        if self.invariance is BatchInvariance.KERNELS:
+            return rows
+        return rows + -rows % self.size_for(height, width)
+
+    def kernels(self) -> contextlib.AbstractContextManager:
+        """The context every model call runs in (`rollout.kernels.kernels_for`)."""
+        return kernels_for(self.invariance, self.block_rows)
 
 
 @dataclass(frozen=True)
@@ -351,5 +390,6 @@ class RolloutPipeline(Protocol):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images of shape `(B, C, H, W)`, fp32 in [0, 1], from latents of shape `(B, *latent_shape)`.
 
-        Each image must not depend on the others in the batch."""
+        Each image must not depend on the others in the batch: decode in the calls of
+        `micro_batching.calls` (the caller enters `micro_batching.kernels()`)."""
         ...

@@ -251,14 +251,16 @@ class DiffusersFamily:
         return output[0].float()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images of `(B, *latent_shape)` latents, decoded in calls of exactly the micro-batch size for
-        their image size (the last one padded with zeros), so that, as for the transformer, an image's
+        """Images of `(B, *latent_shape)` latents, decoded in the calls of the micro-batching for their
+        image size (`MicroBatching.calls`: whole micro-batches padded with zeros, or the rows there are
+        under fixed-block kernels, which the caller enters), so that, as for the transformer, an image's
         bits do not depend on what it was decoded with, and B images take B / micro-batch calls."""
         batch_size, _, latent_height, latent_width = latents.shape
-        rows = self.micro_batching.size_for(latent_height * self.vae_scale_factor, latent_width * self.vae_scale_factor)
-        padded = zero_padded(latents, rows).to(self.vae.dtype)
+        height, width = latent_height * self.vae_scale_factor, latent_width * self.vae_scale_factor
+        calls = self.micro_batching.calls(batch_size, height, width)
+        padded = zero_padded(latents, calls[-1].stop).to(self.vae.dtype)
         with torch.no_grad():
-            images = [self.decode_latents(padded[start : start + rows]) for start in range(0, len(padded), rows)]
+            images = [self.decode_latents(padded[call]) for call in calls]
         return self.pipe.image_processor.postprocess(torch.cat(images)[:batch_size], output_type="pt").float()
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""A worker serving under fixed-block kernels (`model.batch_invariance: kernels`): nothing padded,
+and a sample's bits are the library's for that sample alone, whatever it was batched with."""
+
+import pytest
+import torch
+from ray import serve
+
+from rollout.kernels import BatchInvariance
+from rollout.models.base import MicroBatching
+from rollout.models.registry import load_pipeline
+from rollout.sampler import sample
+from tests.deployments.apps import deploy
+
+
+@pytest.fixture(scope="module")
+def kernels_app(serve_app):
+    app = deploy(serve_app, "kernels-test", num_worker_replicas=1, model={"batch_invariance": "kernels"})
+    yield app
+    serve.delete(app.name)
+
+
+def test_served_samples_are_the_librarys_alone_and_nothing_is_padded(kernels_app):
+    body = {
+        "prompt": ["3", "seven", "a handwritten 1"],
+        "num_inference_steps": 5,
+        "seed": 40,
+        "rollout_return_dit_trajectory": True,
+    }
+    lone = kernels_app.handle.generate.remote({**body, "prompt": "seven", "seed": 41}).result()
+    group = kernels_app.handle.generate.remote(body).result()
+    for result in (lone, group):
+        (part,) = result.worker_results()
+        # One row a step for each sample of the sampler call (with padding: whole micro-batches of 8).
+        assert part.transformer_rows == 5 * part.sampler_batch_size
+    library = load_pipeline(micro_batching=MicroBatching(8, invariance=BatchInvariance.KERNELS))
+    batch = group.batch()
+    assert batch.samples[1].seed == 41 and batch.samples[1].prompt == "seven"
+    for served in (*batch.samples, lone.batch().samples[0]):
+        alone = sample(library, [served.prompt], [served.seed], batch.options).samples[0]
+        for name in ("image", "final_latents", "latents", "log_probs"):
+            assert torch.equal(getattr(served, name), getattr(alone, name)), (served.seed, name)

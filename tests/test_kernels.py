@@ -1,0 +1,226 @@
+"""Fixed-block kernels (`rollout.kernels`, `BatchInvariance.KERNELS`): any call size gives a sample
+the same bits, with no padding, for the operations alone and for every family end to end."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+from rollout.calibration import calibrate, check_batch_invariance, require_batch_invariance
+from rollout.errors import InvalidRequestError, ModelLoadError
+from rollout.kernels import BatchInvariance, FixedBlockKernels, linear_in_blocks
+from rollout.models.base import MicroBatching
+from rollout.models.registry import load_pipeline
+from rollout.options import SamplingOptions
+from rollout.replay import replay_log_probs, transition_log_probs
+from rollout.sampler import sample, sample_call
+from rollout.weights import apply_update, tensor_update
+
+FAMILIES = ["sd3", "flux", "qwenimage"]
+SIZE = 64
+LONG_PROMPT = "a very long prompt about a lighthouse on a cliff in a storm at night"  # Qwen-Image's bucket 64
+GUIDED = {"sd3": {"guidance_scale": 4.5}, "flux": {"true_cfg_scale": 2.5}, "qwenimage": {"true_cfg_scale": 4.0}}
+UNGUIDED = {"sd3": {"guidance_scale": 1.0}, "flux": {"guidance_scale": 3.5}, "qwenimage": {"true_cfg_scale": 1.0}}
+
+
+def kernels(default: int = 4, block_rows: int = 16) -> MicroBatching:
+    return MicroBatching(default, invariance=BatchInvariance.KERNELS, block_rows=block_rows)
+
+
+@pytest.fixture(scope="module")
+def family_pipelines(tiny_family_dirs):
+    return {
+        family: load_pipeline(family, tiny_family_dirs[family], device="cpu", micro_batching=kernels())
+        for family in FAMILIES
+    }
+
+
+# The operations alone --------------------------------------------------------------------------
+
+
+def test_a_linear_row_is_the_same_in_any_call_and_at_any_position():
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 40, generator=generator), torch.randn(48, generator=generator)
+    rows = torch.randn(300, 40, generator=generator)
+    alone = linear_in_blocks(rows[:1], weight, bias, block_rows=16)
+    for count in (2, 3, 4, 15, 16, 17, 64, 299):
+        for position in (0, count - 1):
+            call = rows[:count].clone()
+            call[[0, position]] = call[[position, 0]]
+            assert torch.equal(linear_in_blocks(call, weight, bias, block_rows=16)[position], alone[0]), (count, position)
+    # A transposed (non-contiguous) input is laid out once, whatever its strides.
+    transposed = rows[:20].t().contiguous().t()
+    assert torch.equal(linear_in_blocks(transposed, weight, bias, block_rows=16)[0], alone[0])
+    # It is still the linear map, and the stock kernel's rows differ between call sizes here.
+    torch.testing.assert_close(linear_in_blocks(rows, weight, bias, block_rows=16), F.linear(rows, weight, bias))
+    stock = [F.linear(rows[:count], weight, bias)[0] for count in (1, 2, 4)]
+    assert not all(torch.equal(stock[0], row) for row in stock[1:])
+
+
+def test_per_sample_operations_give_a_sample_the_same_bits_alone_and_beside_others():
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randn(5, 8, 12, 12, generator=generator)
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1)
+    norm = torch.nn.GroupNorm(4, 8)
+    query, key, value = (torch.randn(5, 2, 10, 8, generator=generator) for _ in range(3))
+    per_sample_mask = torch.rand(5, 1, 10, 10, generator=generator) > 0.3
+    shared_mask = torch.rand(10, 10, generator=generator) > 0.3
+    with torch.no_grad(), FixedBlockKernels(block_rows=16):
+        for operation in (
+            conv,
+            norm,
+            lambda x: norm(x.to(memory_format=torch.channels_last)),  # layouts that look alike for one sample
+            lambda x: F.conv3d(x.unsqueeze(2), torch.randn(4, 8, 1, 3, 3, generator=torch.Generator().manual_seed(2))),
+        ):
+            batch = operation(images)
+            for i in range(5):
+                assert torch.equal(operation(images[i : i + 1])[0], batch[i])
+        for mask in (None, per_sample_mask, shared_mask):
+            batch = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+            alone = F.scaled_dot_product_attention(
+                query=query[3:4], key=key[3:4], value=value[3:4], attn_mask=mask if mask is None or mask.dim() == 2 else mask[3:4]
+            )
+            assert torch.equal(alone[0], batch[3])
+
+
+def test_gradients_flow_through_the_blocks():
+    linear = torch.nn.Linear(6, 5)
+    inputs = torch.randn(2, 7, 6, requires_grad=True)
+    with FixedBlockKernels(block_rows=4):
+        linear(inputs).square().sum().backward()
+    blocked = (inputs.grad.clone(), linear.weight.grad.clone())
+    inputs.grad, linear.weight.grad = None, None
+    linear(inputs).square().sum().backward()
+    torch.testing.assert_close(blocked, (inputs.grad, linear.weight.grad))
+
+
+def test_the_mode_holds_only_in_the_thread_that_entered_it():
+    class CountingKernels(FixedBlockKernels):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return super().__torch_function__(func, types, args, kwargs)
+
+    inputs, weight = torch.ones(2, 3), torch.randn(4, 3)
+    with CountingKernels() as mode:
+        F.linear(inputs, weight)
+        assert mode.calls == 1
+        thread = threading.Thread(target=F.linear, args=(inputs, weight))
+        thread.start()
+        thread.join()
+        assert mode.calls == 1
+
+
+@pytest.mark.parametrize(
+    "arguments, field",
+    [
+        ({"invariance": "fast"}, "batch_invariance"),
+        ({"block_rows": 0}, "kernel_block_rows"),
+        ({"block_rows": True}, "kernel_block_rows"),
+    ],
+)
+def test_bad_micro_batching_names_the_field(arguments, field):
+    with pytest.raises(InvalidRequestError) as caught:
+        MicroBatching(4, **arguments)
+    assert caught.value.field == field
+
+
+def test_calls_take_the_rows_there_are_under_kernels_and_whole_micro_batches_with_padding():
+    padding, fixed = MicroBatching(4), kernels(4)
+    assert [(c.start, c.stop) for c in padding.calls(5, SIZE, SIZE)] == [(0, 4), (4, 8)]
+    assert [(c.start, c.stop) for c in fixed.calls(5, SIZE, SIZE)] == [(0, 4), (4, 5)]
+    assert [padding.padded_rows(n, SIZE, SIZE) for n in (1, 4, 5)] == [4, 4, 8]
+    assert [fixed.padded_rows(n, SIZE, SIZE) for n in (1, 4, 5)] == [1, 4, 5]
+
+
+# Every family, end to end ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
+def test_a_sample_is_the_same_alone_and_in_calls_of_any_size_with_no_padding(family_pipelines, family, guided):
+    pipeline = family_pipelines[family]
+    fields = (GUIDED if guided else UNGUIDED)[family]
+    options = SamplingOptions(num_inference_steps=2, height=SIZE, width=SIZE, debug=True, **fields)
+    alone = sample_call(pipeline, ["a cat"], [7], options)
+    assert alone.transformer_rows == 2  # one row a step: nothing padded
+    # Calls of 3 (ragged against the micro-batch of 4) and of 6 (4 + 2), at other positions; for
+    # Qwen-Image the long prompt sits in another text-length bucket.
+    for prompts, seeds, position in (
+        ([LONG_PROMPT, "a cat", "x"], [8, 7, 9], 1),
+        (["x", "a dog", LONG_PROMPT, "x", "y", "a cat"], [1, 2, 3, 4, 5, 7], 5),
+    ):
+        batched = sample_call(pipeline, prompts, seeds, options)
+        assert batched.transformer_rows == 2 * len(prompts)
+        for name in ("final_latents", "latents", "log_probs", "image"):
+            assert torch.equal(getattr(alone.batch.samples[0], name), getattr(batched.batch.samples[position], name)), name
+        assert torch.equal(alone.batch.samples[0].debug.model_outputs, batched.batch.samples[position].debug.model_outputs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_under_kernels_is_exact_with_and_without_gradients(family_pipelines, family):
+    pipeline = family_pipelines[family]
+    options = SamplingOptions(num_inference_steps=3, height=SIZE, width=SIZE, return_denoising_env=True, **GUIDED[family])
+    batch = sample(pipeline, ["a cat", LONG_PROMPT, "a dog"], [1, 2, 3], options)
+    rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
+    assert torch.equal(replay_log_probs(pipeline, batch.schedule, batch.options, batch.samples).log_probs, rollout_log_probs)
+    # The policy-gradient path, with autograd on, one sample at a time.
+    with torch.enable_grad():
+        for i, sample_ in enumerate(batch.samples):
+            scored = transition_log_probs(pipeline, batch.schedule, batch.options, [sample_], [0, 1, 2])
+            assert torch.equal(scored.detach()[0], rollout_log_probs[i])
+
+
+def test_a_lora_adapter_runs_under_the_kernels_and_replays_exactly(tiny_family_dirs):
+    served, trainer = (
+        load_pipeline("flux", tiny_family_dirs["flux"], device="cpu", micro_batching=kernels()) for _ in range(2)
+    )
+    trainer.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"]))
+    with torch.no_grad():
+        for name, parameter in trainer.transformer.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(0)))
+    apply_update(served.weight_modules, tensor_update(get_peft_model_state_dict(trainer.transformer), lora_rank=4, lora_alpha=8))
+    options = SamplingOptions(num_inference_steps=2, height=32, width=32, **GUIDED["flux"])
+    alone = sample(served, ["a cat"], [0], options)
+    batch = sample(served, ["a dog", "a cat", "x"], [3, 0, 4], options)
+    assert torch.equal(alone.samples[0].log_probs, batch.samples[1].log_probs)
+    assert torch.equal(alone.samples[0].image, batch.samples[1].image)
+    replayed = replay_log_probs(trainer, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+
+
+def test_the_embedded_model_is_batch_invariant_under_kernels():
+    pipeline = load_pipeline(micro_batching=kernels(8))
+    options = SamplingOptions(num_inference_steps=4, debug=True)
+    batch = sample(pipeline, ["3", "seven", "a handwritten 7", "1", "9"], [10, 11, 12, 13, 14], options)
+    for i in (0, 2, 4):
+        alone = sample(pipeline, [batch.samples[i].prompt], [batch.samples[i].seed], options).samples[0]
+        for name in ("final_latents", "latents", "log_probs", "image"):
+            assert torch.equal(getattr(alone, name), getattr(batch.samples[i], name)), (i, name)
+
+
+# On the serving device -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_device_check_holds_under_kernels_and_sees_what_padding_is_for(family_pipelines, tiny_family_dirs, family):
+    check = check_batch_invariance(family_pipelines[family], SIZE, SIZE, GUIDED[family])
+    assert check.holds and check.device == "cpu"
+    require_batch_invariance(family_pipelines[family], SIZE, SIZE)
+    # Unpadded calls with the stock kernels: the check sees the difference, and a server refuses them.
+    stock = load_pipeline(family, tiny_family_dirs[family], device="cpu", micro_batching=MicroBatching(4))
+    assert check_batch_invariance(stock, SIZE, SIZE, GUIDED[family]).velocity_difference > 0
+    with pytest.raises(ModelLoadError) as caught:
+        require_batch_invariance(stock, SIZE, SIZE)
+    assert caught.value.field == "model.batch_invariance" and "use 'padding'" in caught.value.reason
+
+
+def test_calibration_under_kernels_picks_the_best_time_per_row(family_pipelines):
+    calibration = calibrate(family_pipelines["sd3"], SIZE, SIZE, (1, 2, 4), GUIDED["sd3"], repeats=1)
+    per_row = calibration.seconds_per_row
+    assert per_row[calibration.chosen] == min(per_row.values())
