@@ -2,14 +2,18 @@
 
     .venv/bin/python -m benchmarks.throughput                       # the table, 5 rounds
     .venv/bin/python -m benchmarks.throughput --micro-batch-sizes 4 16 --batch-sizes 1 4 16 64 --cfg-batch-sizes 16 64
+    .venv/bin/python -m benchmarks.throughput --batch-invariance padding kernels   # both ways, in turns
+    .venv/bin/python -m benchmarks.throughput --pipeline-output pt  # the pipeline decodes its images too
     .venv/bin/python -m benchmarks.throughput --families sd3 --memory    # peak memory too
     .venv/bin/python -m benchmarks.throughput --output docs/throughput.md
 
 Tiny SD3, FLUX.1 and Qwen-Image copies (`rollout/tiny_families.py`) widened to 8 heads (width 128),
-128 x 128 px, ODE. The rollout is `rollout.sampler.sample` keeping every latent and log-prob; the
-pipeline is the family's own `pipeline(..., output_type="latent")` on the same prompt, sizes, steps
-and guidance. The two take turns, round by round, after a warm-up each; each cell is the median
-(min - max) over rounds of rollout time / pipeline time, per micro-batch size.
+128 x 128 px, ODE. The rollout is `rollout.sampler.sample` keeping every latent and log-prob, with
+its batch invariance kept by padding or by batch-invariant kernels (`rollout/kernels.py`); the
+pipeline is the family's own `pipeline(...)` on the same prompt, sizes, steps and guidance, with
+`output_type="latent"` (issue 18's baseline: it decodes nothing, the rollout decodes its images) or
+`"pt"` (it decodes them too). The two take turns, round by round, after a warm-up each; each cell is
+the median (min - max) over rounds of rollout time / pipeline time.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from benchmarks.serving import Spread, take_turns
 from rollout.calibration import calibrate
+from rollout.kernels import BatchInvariance
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
@@ -56,8 +61,8 @@ def build_families(root: Path, names=tuple(STEPS)) -> dict[str, Path]:
     return {name: FAMILY_BUILDERS[name](root / name, transformer_heads=TRANSFORMER_HEADS) for name in names}
 
 
-def runs(family, name: str, batch_size: int, cfg: bool) -> dict:
-    """The two calls compared: the rollout and the pipeline, at equal work."""
+def runs(family, name: str, batch_size: int, cfg: bool, pipeline_output: str = "latent") -> dict:
+    """The two calls compared: the rollout and the pipeline (`output_type=pipeline_output`)."""
     guidance = GUIDANCE[name][cfg]
     options = SamplingOptions(
         num_inference_steps=STEPS[name], height=SIZE, width=SIZE, sde_type=TransitionKind.ODE, **guidance
@@ -75,7 +80,7 @@ def runs(family, name: str, batch_size: int, cfg: bool) -> dict:
             height=SIZE,
             width=SIZE,
             num_inference_steps=STEPS[name],
-            output_type="latent",
+            output_type=pipeline_output,
             generator=torch.Generator().manual_seed(0),
             **negative,
             **guidance,
@@ -91,9 +96,28 @@ def calibrated_size(path: Path, name: str) -> tuple[int, str]:
     return calibration.chosen, f"{name}: ms per row {{{per_row}}}, chosen {calibration.chosen}"
 
 
-def measure(families: dict[str, Path], micro_batch_sizes, loads, rounds: int, calibrated: bool) -> tuple[list, list]:
-    """(family, micro-batch size, batch size, cfg, Spread of rollout / pipeline time) per cell, and
-    the calibrations run."""
+@dataclass(frozen=True)
+class Cell:
+    """One load's rollout / pipeline time, for one family and way of batching."""
+
+    family: str
+    invariance: BatchInvariance
+    micro_batch_size: int
+    batch_size: int
+    cfg: bool
+    ratio: Spread
+
+
+def measure(
+    families: dict[str, Path],
+    micro_batch_sizes,
+    loads,
+    rounds: int,
+    calibrated: bool,
+    invariances=(BatchInvariance.PADDING,),
+    pipeline_output: str = "latent",
+) -> tuple[list[Cell], list[str]]:
+    """A `Cell` per family, batch invariance, micro-batch size and load, and the calibrations run."""
     cells, calibrations = [], []
     for name, path in families.items():
         sizes = list(micro_batch_sizes)
@@ -102,15 +126,18 @@ def measure(families: dict[str, Path], micro_batch_sizes, loads, rounds: int, ca
             print(report, flush=True)
             calibrations.append(report)
             sizes = sorted({*sizes, chosen})
-        for micro_batch_size in sizes:
-            family = load_pipeline(None, path, micro_batching=MicroBatching(micro_batch_size))
-            for batch_size, cfg in loads:
-                times = take_turns(runs(family, name, batch_size, cfg), rounds)
-                ratio = Spread(tuple(r / p for r, p in zip(times["rollout"], times["pipeline"])))
-                cells.append((name, micro_batch_size, batch_size, cfg, ratio))
-                print(
-                    f"{name} micro-batch {micro_batch_size} B={batch_size}{' CFG' if cfg else ''}: {ratio}", flush=True
-                )
+        for invariance in invariances:
+            for micro_batch_size in sizes:
+                family = load_pipeline(None, path, micro_batching=MicroBatching(micro_batch_size, invariance=invariance))
+                for batch_size, cfg in loads:
+                    times = take_turns(runs(family, name, batch_size, cfg, pipeline_output), rounds)
+                    ratio = Spread(tuple(r / p for r, p in zip(times["rollout"], times["pipeline"])))
+                    cells.append(Cell(name, invariance, micro_batch_size, batch_size, cfg, ratio))
+                    print(
+                        f"{name} {invariance.value} micro-batch {micro_batch_size} B={batch_size}{' CFG' if cfg else ''}: "
+                        f"{ratio}",
+                        flush=True,
+                    )
     return cells, calibrations
 
 
@@ -204,14 +231,20 @@ def memory_table(rows: list[PeakMemory], batch_size: int, steps: int, size: int)
     return lines
 
 
-def table(cells: list[tuple], loads) -> list[str]:
+def table(cells: list[Cell], loads) -> list[str]:
     columns = [f"B={b}{' with CFG' if cfg else ''}" for b, cfg in loads]
-    lines = ["| family (steps) | micro-batch | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
-    keys = sorted({(name, mb) for name, mb, *_ in cells}, key=lambda k: (list(STEPS).index(k[0]), k[1]))
-    for name, micro_batch_size in keys:
-        row = {(b, cfg): ratio for n, mb, b, cfg, ratio in cells if (n, mb) == (name, micro_batch_size)}
+    lines = [
+        "| family (steps) | batch invariance | micro-batch | " + " | ".join(columns) + " |",
+        "|---" * (len(columns) + 3) + "|",
+    ]
+    keys = sorted(
+        {(c.family, c.invariance, c.micro_batch_size) for c in cells},
+        key=lambda k: (list(STEPS).index(k[0]), list(BatchInvariance).index(k[1]), k[2]),
+    )
+    for name, invariance, micro_batch_size in keys:
+        row = {(c.batch_size, c.cfg): c.ratio for c in cells if (c.family, c.invariance, c.micro_batch_size) == (name, invariance, micro_batch_size)}
         values = " | ".join(f"{row[load]:.2f}" for load in loads)
-        lines.append(f"| {name} (T={STEPS[name]}) | {micro_batch_size} | {values} |")
+        lines.append(f"| {name} (T={STEPS[name]}) | {invariance.value} | {micro_batch_size} | {values} |")
     return lines
 
 
@@ -234,6 +267,10 @@ def main() -> None:
     parser.add_argument("--output", type=Path, help="write the table, with the command and machine, here")
     parser.add_argument("--families", nargs="+", choices=list(STEPS), default=list(STEPS))
     parser.add_argument("--memory", action="store_true", help="also the peak memory table (B=64, T=50, 256 px)")
+    parser.add_argument(
+        "--batch-invariance", nargs="+", type=BatchInvariance, default=[BatchInvariance.PADDING], help="padding, kernels"
+    )
+    parser.add_argument("--pipeline-output", choices=["latent", "pt"], default="latent", help="the pipeline's output_type")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loads = [(b, False) for b in args.batch_sizes] + [(b, True) for b in args.cfg_batch_sizes]
@@ -241,7 +278,9 @@ def main() -> None:
         families = build_families(Path(root), args.families)
         counts = parameter_counts(families)
         print(f"transformer parameters: {counts}")
-        cells, calibrations = measure(families, args.micro_batch_sizes, loads, args.rounds, args.calibrate)
+        cells, calibrations = measure(
+            families, args.micro_batch_sizes, loads, args.rounds, args.calibrate, args.batch_invariance, args.pipeline_output
+        )
         lines = table(cells, loads)
         if calibrations:
             lines += ["", "Calibration (`rollout.calibration.calibrate`, with CFG):", "", *(f"- {c}" for c in calibrations)]
@@ -257,8 +296,8 @@ def main() -> None:
                 f"torch {torch.__version__}. Date: {datetime.date.today().isoformat()}.  "
             ),
             (
-                f"Transformer parameters: {counts}. Rollout time / pipeline time, median (min - max) of "
-                f"{args.rounds} rounds taken in turns."
+                f"Transformer parameters: {counts}. Rollout time / `pipeline(..., output_type=\"{args.pipeline_output}\")` "
+                f"time, median (min - max) of {args.rounds} rounds taken in turns."
             ),
             "",
         ]

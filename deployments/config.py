@@ -28,7 +28,6 @@ from rollout.errors import (
     clip,
     short_repr,
 )
-from rollout.kernels import DEFAULT_BLOCK_ROWS
 from rollout.models.base import MicroBatching
 from rollout.models.registry import EMBEDDED_MODEL, check_model_choice, check_model_directory
 from rollout.plan import RequestLimits
@@ -70,11 +69,8 @@ class ModelConfig(BaseModel):
         "padding",
         description="What keeps a sample's bits independent of its companions: 'padding' (every call takes "
         "exactly the micro-batch's rows, stock kernels) or 'kernels' (calls take the rows there are, at most "
-        "the micro-batch, under fixed-block kernels, checked on the device when each worker starts); see "
+        "the micro-batch, under batch-invariant kernels, checked on the device when each worker starts); see "
         "rollout/kernels.py and docs/throughput.md for which is faster for which load.",
-    )
-    kernel_block_rows: int = Field(
-        DEFAULT_BLOCK_ROWS, ge=1, le=65536, description="Token rows per linear block under batch_invariance 'kernels'."
     )
     max_sequence_length: int | None = Field(
         None, ge=1, description="Text tokens every prompt is padded or truncated to; None: the family's default."
@@ -120,7 +116,7 @@ class ModelConfig(BaseModel):
         """The configured micro-batches and batch invariance; sizes not listed keep `micro_batch_size`,
         else `model_default`."""
         return MicroBatching.parse(
-            self.micro_batch_size or model_default, self.micro_batch_sizes, self.batch_invariance, self.kernel_block_rows
+            self.micro_batch_size or model_default, self.micro_batch_sizes, self.batch_invariance
         )
 
 

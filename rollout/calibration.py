@@ -1,13 +1,13 @@
-"""Measurements on the serving device: the micro-batch size, and whether fixed-block kernels hold.
+"""Measurements on the serving device: the micro-batch size, and whether batch-invariant kernels hold.
 
 With padding, batch invariance needs every transformer call to take the same number of rows, not a
 small one. Larger calls cost less per row until the device is saturated, and a lone sample pays for
 the rows its call is padded to. `calibrate` times the model's call at each candidate size on this
 device, in this dtype, at one image size, and picks the smallest size whose time per row is within
 `tolerance` of the best: the throughput of the largest calls for the least padding. Under
-fixed-block kernels nothing is padded, so it picks the size with the best time per row.
+batch-invariant kernels nothing is padded, so it picks the size with the best time per row.
 
-`check_batch_invariance` tests, on the device, what fixed-block kernels promise: a sample's
+`check_batch_invariance` tests, on the device, what batch-invariant kernels promise: a sample's
 velocity and image alone equal its velocity and image in a call of three, bit for bit.
 """
 
@@ -36,7 +36,7 @@ class Calibration:
     Attributes:
         seconds_per_row: candidate micro-batch size -> the best time of one full call, per row.
         chosen: the smallest candidate within the tolerance of the best time per row (with padding),
-            or the best (under fixed-block kernels).
+            or the best (under batch-invariant kernels).
     """
 
     height: int
@@ -125,10 +125,11 @@ class InvarianceCheck:
 def check_batch_invariance(
     pipeline: RolloutPipeline, height: int, width: int, guidance: dict | None = None
 ) -> InvarianceCheck:
-    """Computes one sample's velocity and image alone and beside two others, under the pipeline's
-    kernels, each in one model call (`MicroBatching.kernels`, no padding), and compares the bits.
+    """Computes one sample's velocity alone and beside two others, under the pipeline's kernels,
+    each in one transformer call (`MicroBatching.kernels`, no padding), and its image alone and
+    beside the two others, in the pipeline's own VAE calls, and compares the bits.
 
-    Fixed-block kernels promise equality; padding promises it only for calls of the micro-batch's
+    Batch-invariant kernels promise equality; padding promises it only for calls of the micro-batch's
     size, so with `BatchInvariance.PADDING` a difference shows what padding is for.
 
     Args:
@@ -142,8 +143,8 @@ def check_batch_invariance(
     with torch.no_grad(), pipeline.micro_batching.kernels():
         alone = pipeline.predict_velocity(x_t[:1], timestep.expand(1), three_rows.rows(slice(0, 1)), options)
         beside = pipeline.predict_velocity(x_t[probe_last], timestep.expand(3), three_rows, options)[1:2]
-        image_alone = pipeline.decode(x_t[:1])
-        image_beside = pipeline.decode(x_t[probe_last])[1:2]
+    image_alone = pipeline.decode(x_t[:1])  # in the VAE calls the pipeline makes
+    image_beside = pipeline.decode(x_t[probe_last])[1:2]
     return InvarianceCheck(
         device=str(pipeline.device),
         velocity_difference=(alone - beside).abs().max().item(),

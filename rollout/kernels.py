@@ -9,26 +9,23 @@ bits independent of its companions (`BatchInvariance`):
 - `PADDING`, the default: every call takes exactly the micro-batch's rows, padded, so every call
   has the same shape and the stock kernels do the same thing each time. A lone sample pays for the
   whole micro-batch.
-- `KERNELS`: a call takes the rows there are, and `FixedBlockKernels` runs, inside it, every
-  operation whose kernel depends on the call's shape on shapes that do not:
-  - `F.linear` over its input's rows (every sample's tokens, flattened) in blocks of exactly
-    `block_rows` rows, the last one zero-padded. Each block is the same `(block_rows, K) x (K, N)`
-    product, and a kernel computes a row of a product of fixed shape the same way whatever the
-    other rows hold and wherever the row sits.
-  - convolutions, group norm and attention one sample at a time, with shape `(1, ...)`: they mix
-    values within a sample (a kernel window, a group, the keys), and their kernels are chosen for
-    the whole batch.
-  What else these transformers and VAEs run (layer norm and RMS norm over the last dimension,
-  softmax, elementwise operations) computes a row from that row alone.
+- `KERNELS`: a call takes the rows there are, and `BatchInvariantKernels` runs, inside it, every
+  operation whose kernel depends on the call's shape one sample at a time: a call of the shape a
+  sample alone has, on the same values, computes the same bits. Those operations are the linear
+  layers, convolutions, group norm, attention and means over a sample's own dimensions (RMS norm:
+  on CUDA a reduction's kernel is chosen for the number of rows). What else these transformers and
+  VAEs run (elementwise operations, layer norm and softmax over the last dimension) computes a row
+  from that row alone, and is left batched.
 
 The argument is checked, not trusted: the tests compare every family's velocity and decoded image
-of a sample alone, at another position and in calls of 2 to 16 rows, bit for bit, on CPU; and
+of a sample alone, at other positions and in calls of 2 to 6 rows, bit for bit, on CPU; and
 `rollout.calibration.check_batch_invariance` makes the same comparison on the serving device before
 a worker serves in this mode (a new family, another device or another torch build may break it).
 
-Thinking Machines' batch_invariant_ops and the deterministic modes of vLLM and SGLang do the same on
-CUDA with Triton kernels of one fixed tiling for matmul, attention and reductions; with stock
-kernels, fixed shapes are what fixes the tiling.
+Thinking Machines' batch_invariant_ops and the deterministic modes of vLLM and SGLang get the same
+guarantee on CUDA with Triton kernels of one fixed tiling for matmul, attention and reductions, so
+that even a token's rows can share a call; with stock kernels, a fixed shape is what fixes the
+tiling, and a sample's own shape is the one that costs no padding.
 """
 
 from __future__ import annotations
@@ -41,20 +38,18 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-# Token rows per linear block: a lone sample at the smallest image sizes (64 image tokens) fills one.
-DEFAULT_BLOCK_ROWS = 64
-
 
 class BatchInvariance(str, enum.Enum):
     """What keeps a sample's bits independent of the other samples in its model calls."""
 
     PADDING = "padding"  # calls of exactly the micro-batch's rows, padded; stock kernels
-    KERNELS = "kernels"  # calls of the rows there are; `FixedBlockKernels`
+    KERNELS = "kernels"  # calls of the rows there are; `BatchInvariantKernels`
 
 
-# Operations that mix values within a sample, run one sample at a time: the parameters, in
-# positional order, that carry the batch as their leading dimension.
+# Operations run one sample at a time: the parameters, in positional order, that carry the batch
+# as their leading dimension.
 _PER_SAMPLE: dict[Callable, tuple[str, ...]] = {
+    F.linear: ("input",),
     F.conv1d: ("input",),
     F.conv2d: ("input",),
     F.conv3d: ("input",),
@@ -64,48 +59,39 @@ _PER_SAMPLE: dict[Callable, tuple[str, ...]] = {
     F.group_norm: ("input",),
     F.scaled_dot_product_attention: ("query", "key", "value", "attn_mask"),
 }
+_MEANS = (torch.mean, torch.Tensor.mean)
 
 
-class FixedBlockKernels(TorchFunctionMode):
-    """While active (`with FixedBlockKernels():`, in this thread only), linear layers run in fixed
-    blocks of `block_rows` rows and convolutions, group norm and attention one sample at a time;
-    see the module's docstring. Results are differentiable, as the stock operations'."""
-
-    def __init__(self, block_rows: int = DEFAULT_BLOCK_ROWS):
-        super().__init__()
-        if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1:
-            raise ValueError(f"block_rows must be an integer >= 1, got {block_rows!r}")
-        self.block_rows = block_rows
+class BatchInvariantKernels(TorchFunctionMode):
+    """While active (`with BatchInvariantKernels():`, in this thread only), the operations whose
+    kernels depend on the call's shape run one sample at a time; see the module's docstring.
+    Results are differentiable, as the stock operations'."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # The mode is off while its handler runs, so the calls below reach the stock kernels.
-        if func is F.linear:
-            return linear_in_blocks(*args, block_rows=self.block_rows, **kwargs)
         if func in _PER_SAMPLE:
             return _one_sample_at_a_time(func, _PER_SAMPLE[func], args, kwargs)
+        if func in _MEANS and _reduces_within_samples(args, kwargs):
+            return _one_sample_at_a_time(func, ("input",), args, kwargs)
         return func(*args, **kwargs)
 
 
-def linear_in_blocks(
-    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, block_rows: int
-) -> torch.Tensor:
-    """`F.linear(input, weight, bias)`, computed as products of exactly `block_rows` rows."""
-    # (M, K): every sample's tokens, in one layout whatever the input's strides (see `_one_sample_at_a_time`).
-    rows = input.reshape(-1, input.shape[-1]).contiguous()
-    count = rows.shape[0]
-    if count == 0:
-        return F.linear(input, weight, bias)
-    missing = -count % block_rows
-    padded = torch.cat([rows, rows.new_zeros((missing, rows.shape[1]))]) if missing else rows
-    blocks = [F.linear(padded[start : start + block_rows], weight, bias) for start in range(0, len(padded), block_rows)]
-    output = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-    return output[:count].reshape(*input.shape[:-1], weight.shape[0])
+def _reduces_within_samples(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a mean's dimensions leave the leading (batch) dimension out."""
+    tensor = args[0] if args else kwargs.get("input")
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or dims is None:
+        return False
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    return bool(dims) and all(dim % tensor.dim() != 0 for dim in dims)
 
 
 def _one_sample_at_a_time(func: Callable, batched: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> Any:
     leading = args[0] if args else kwargs[batched[0]]
-    size = leading.shape[0]
+    size = leading.shape[0] if leading.dim() else 0
+    if size == 0:
+        return func(*args, **kwargs)
 
     def sample(value, i: int):
         # Each sample in the contiguous layout: for one sample the strides of a channels-last and a
@@ -127,10 +113,10 @@ def _one_sample_at_a_time(func: Callable, batched: tuple[str, ...], args: tuple,
     return outputs[0] if size == 1 else torch.cat(outputs)
 
 
-def kernels_for(invariance: BatchInvariance, block_rows: int = DEFAULT_BLOCK_ROWS) -> contextlib.AbstractContextManager:
-    """The context model calls run in: `FixedBlockKernels` for `KERNELS`, nothing for `PADDING`."""
+def kernels_for(invariance: BatchInvariance) -> contextlib.AbstractContextManager:
+    """The context model calls run in: `BatchInvariantKernels` for `KERNELS`, nothing for `PADDING`."""
     if invariance is BatchInvariance.KERNELS:
-        return FixedBlockKernels(block_rows)
+        return BatchInvariantKernels()
     if invariance is BatchInvariance.PADDING:
         return contextlib.nullcontext()
     raise ValueError(f"unknown batch invariance {invariance!r}")

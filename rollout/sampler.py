@@ -7,7 +7,7 @@ Two properties hold by construction and are tested:
   any batch. The model runs on micro-batches, each of rows of one conditioning bucket (rows whose
   text is padded to the same length), and either every micro-batch is padded to exactly the
   pipeline's micro-batch size for the image size, so every row sees the same kernels, or the
-  calls take the rows there are and run under fixed-block kernels (`rollout.kernels`).
+  calls take the rows there are and run under batch-invariant kernels (`rollout.kernels`).
 
 Memory: the conditioning stays on the CPU and goes to the device one micro-batch at a time,
 and every latent and debug tensor kept leaves the device as it is produced, into one host
@@ -231,8 +231,7 @@ def sample_call(
             else:
                 noises[:, step].copy_(noise, non_blocking=True)
 
-    with pipeline.micro_batching.kernels():
-        images = pipeline.decode(x_t).cpu()
+    images = pipeline.decode(x_t).cpu()
     final_latents = x_t.cpu()
     if device.type == "cuda":  # the non-blocking copies above have landed only once the stream is done
         torch.cuda.current_stream(device).synchronize()

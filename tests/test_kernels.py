@@ -11,7 +11,7 @@ from peft.utils import get_peft_model_state_dict
 
 from rollout.calibration import calibrate, check_batch_invariance, require_batch_invariance
 from rollout.errors import InvalidRequestError, ModelLoadError
-from rollout.kernels import BatchInvariance, FixedBlockKernels, linear_in_blocks
+from rollout.kernels import BatchInvariance, BatchInvariantKernels
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
@@ -26,8 +26,8 @@ GUIDED = {"sd3": {"guidance_scale": 4.5}, "flux": {"true_cfg_scale": 2.5}, "qwen
 UNGUIDED = {"sd3": {"guidance_scale": 1.0}, "flux": {"guidance_scale": 3.5}, "qwenimage": {"true_cfg_scale": 1.0}}
 
 
-def kernels(default: int = 4, block_rows: int = 16) -> MicroBatching:
-    return MicroBatching(default, invariance=BatchInvariance.KERNELS, block_rows=block_rows)
+def kernels(default: int = 4) -> MicroBatching:
+    return MicroBatching(default, invariance=BatchInvariance.KERNELS)
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +41,24 @@ def family_pipelines(tiny_family_dirs):
 # The operations alone --------------------------------------------------------------------------
 
 
-def test_a_linear_row_is_the_same_in_any_call_and_at_any_position():
+def test_a_linear_row_is_the_same_alone_and_beside_others_where_the_stock_kernel_is_not():
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(48, 40, generator=generator), torch.randn(48, generator=generator)
-    rows = torch.randn(300, 40, generator=generator)
-    alone = linear_in_blocks(rows[:1], weight, bias, block_rows=16)
-    for count in (2, 3, 4, 15, 16, 17, 64, 299):
-        for position in (0, count - 1):
-            call = rows[:count].clone()
-            call[[0, position]] = call[[position, 0]]
-            assert torch.equal(linear_in_blocks(call, weight, bias, block_rows=16)[position], alone[0]), (count, position)
-    # A transposed (non-contiguous) input is laid out once, whatever its strides.
-    transposed = rows[:20].t().contiguous().t()
-    assert torch.equal(linear_in_blocks(transposed, weight, bias, block_rows=16)[0], alone[0])
-    # It is still the linear map, and the stock kernel's rows differ between call sizes here.
-    torch.testing.assert_close(linear_in_blocks(rows, weight, bias, block_rows=16), F.linear(rows, weight, bias))
-    stock = [F.linear(rows[:count], weight, bias)[0] for count in (1, 2, 4)]
+    tokens = torch.randn(7, 5, 40, generator=generator)  # (samples, tokens, features)
+    stock = [F.linear(tokens[:count], weight, bias)[0] for count in (1, 2, 4)]
     assert not all(torch.equal(stock[0], row) for row in stock[1:])
+    linear_map = tokens @ weight.T + bias
+    with BatchInvariantKernels():
+        alone = F.linear(tokens[3:4], weight, bias)[0]
+        others = [0, 1, 2, 4, 5, 6]
+        for count in (2, 4, 7):
+            position = count // 2  # sample 3 among count - 1 others
+            order = others[:position] + [3] + others[position : count - 1]
+            assert torch.equal(F.linear(tokens[order], weight, bias)[position], alone)
+        # A transposed (non-contiguous) input is laid out once, whatever its strides.
+        transposed = tokens.transpose(1, 2).contiguous().transpose(1, 2)
+        assert torch.equal(F.linear(transposed, weight, bias)[3], alone)
+        torch.testing.assert_close(F.linear(tokens, weight, bias), linear_map)
 
 
 def test_per_sample_operations_give_a_sample_the_same_bits_alone_and_beside_others():
@@ -68,7 +69,12 @@ def test_per_sample_operations_give_a_sample_the_same_bits_alone_and_beside_othe
     query, key, value = (torch.randn(5, 2, 10, 8, generator=generator) for _ in range(3))
     per_sample_mask = torch.rand(5, 1, 10, 10, generator=generator) > 0.3
     shared_mask = torch.rand(10, 10, generator=generator) > 0.3
-    with torch.no_grad(), FixedBlockKernels(block_rows=16):
+    hidden = torch.randn(5, 10, 16, generator=generator)
+    with torch.no_grad(), BatchInvariantKernels():
+        # RMS norm's mean over a sample's own dimensions, as a method and as a function.
+        for mean in (lambda x: x.pow(2).mean(-1, keepdim=True), lambda x: torch.mean(x, dim=(1, 2))):
+            assert torch.equal(mean(hidden[2:3])[0], mean(hidden)[2])
+        assert hidden.mean().shape == () and hidden.mean(0).shape == (10, 16)  # across samples: as it is
         for operation in (
             conv,
             norm,
@@ -89,7 +95,7 @@ def test_per_sample_operations_give_a_sample_the_same_bits_alone_and_beside_othe
 def test_gradients_flow_through_the_blocks():
     linear = torch.nn.Linear(6, 5)
     inputs = torch.randn(2, 7, 6, requires_grad=True)
-    with FixedBlockKernels(block_rows=4):
+    with BatchInvariantKernels():
         linear(inputs).square().sum().backward()
     blocked = (inputs.grad.clone(), linear.weight.grad.clone())
     inputs.grad, linear.weight.grad = None, None
@@ -98,7 +104,7 @@ def test_gradients_flow_through_the_blocks():
 
 
 def test_the_mode_holds_only_in_the_thread_that_entered_it():
-    class CountingKernels(FixedBlockKernels):
+    class CountingKernels(BatchInvariantKernels):
         calls = 0
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -119,13 +125,12 @@ def test_the_mode_holds_only_in_the_thread_that_entered_it():
     "arguments, field",
     [
         ({"invariance": "fast"}, "batch_invariance"),
-        ({"block_rows": 0}, "kernel_block_rows"),
-        ({"block_rows": True}, "kernel_block_rows"),
+        ({"default": 0}, "micro_batch_size"),
     ],
 )
 def test_bad_micro_batching_names_the_field(arguments, field):
     with pytest.raises(InvalidRequestError) as caught:
-        MicroBatching(4, **arguments)
+        MicroBatching(**{"default": 4, **arguments})
     assert caught.value.field == field
 
 
@@ -135,6 +140,9 @@ def test_calls_take_the_rows_there_are_under_kernels_and_whole_micro_batches_wit
     assert [(c.start, c.stop) for c in fixed.calls(5, SIZE, SIZE)] == [(0, 4), (4, 5)]
     assert [padding.padded_rows(n, SIZE, SIZE) for n in (1, 4, 5)] == [4, 4, 8]
     assert [fixed.padded_rows(n, SIZE, SIZE) for n in (1, 4, 5)] == [1, 4, 5]
+    # The VAE: the transformer's calls with padding, one image a call under the kernels.
+    assert padding.decode_calls(5, SIZE, SIZE) == padding.calls(5, SIZE, SIZE)
+    assert [(c.start, c.stop) for c in fixed.decode_calls(3, SIZE, SIZE)] == [(0, 1), (1, 2), (2, 3)]
 
 
 # Every family, end to end ----------------------------------------------------------------------

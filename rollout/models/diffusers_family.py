@@ -251,13 +251,13 @@ class DiffusersFamily:
         return output[0].float()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images of `(B, *latent_shape)` latents, decoded in the calls of the micro-batching for their
-        image size (`MicroBatching.calls`: whole micro-batches padded with zeros, or the rows there are
-        under fixed-block kernels, which the caller enters), so that, as for the transformer, an image's
-        bits do not depend on what it was decoded with, and B images take B / micro-batch calls."""
+        """Images of `(B, *latent_shape)` latents, decoded in the VAE calls of the micro-batching for
+        their image size (`MicroBatching.decode_calls`: whole micro-batches padded with zeros, or one
+        image a call), so that, as for the transformer, an image's bits do not depend on what it was
+        decoded with."""
         batch_size, _, latent_height, latent_width = latents.shape
         height, width = latent_height * self.vae_scale_factor, latent_width * self.vae_scale_factor
-        calls = self.micro_batching.calls(batch_size, height, width)
+        calls = self.micro_batching.decode_calls(batch_size, height, width)
         padded = zero_padded(latents, calls[-1].stop).to(self.vae.dtype)
         with torch.no_grad():
             images = [self.decode_latents(padded[call]) for call in calls]

@@ -41,7 +41,6 @@ def test_build_app_takes_no_arguments_or_a_dict():
         ({"model": {"name": "flux"}}, "model.path", "loads from a local diffusers directory"),
         ({"model": {"max_sequence_length": 77}}, "model.max_sequence_length", "the embedded model has no text encoder"),
         ({"model": {"batch_invariance": "fast"}}, "model.batch_invariance", "Input should be 'padding' or 'kernels'"),
-        ({"model": {"kernel_block_rows": 0}}, "model.kernel_block_rows", "greater than or equal to 1"),
     ],
 )
 def test_a_bad_config_fails_build_app_naming_the_field(args, field, reason):
@@ -67,9 +66,8 @@ def test_micro_batches_by_size_fall_back_to_the_configured_else_the_models_defau
 
 
 def test_the_configured_batch_invariance_reaches_the_micro_batching():
-    model = ModelConfig.model_validate({"batch_invariance": "kernels", "kernel_block_rows": 128})
-    micro_batching = model.micro_batching(model_default=8)
-    assert micro_batching.invariance is BatchInvariance.KERNELS and micro_batching.block_rows == 128
+    model = ModelConfig.model_validate({"batch_invariance": "kernels"})
+    assert model.micro_batching(model_default=8).invariance is BatchInvariance.KERNELS
 
 
 def _diffusers_dir(root: Path, class_name: str = "StableDiffusion3Pipeline", **components) -> Path:
