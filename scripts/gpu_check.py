@@ -16,7 +16,10 @@ trains (SD3.5-Medium: CFG 4.5; FLUX.1-dev: its embedded guidance 3.5):
   `pipeline(..., output_type="latent")` (latents re-cast to bf16 every step);
 - the micro-batch calibration (`rollout.calibration`: time per row at each candidate size), and
   with the size it picks, samples/s of the rollout and of `pipeline(...)` at 1, 8, 16 and 64
-  samples (two interleaved rounds each, the faster counts).
+  samples (two interleaved rounds each, the faster counts);
+- whether batch-invariant kernels (`rollout/kernels.py`) keep a sample's bits on the GPU
+  (`check_batch_invariance`), and where they do, the replay difference and the same samples/s
+  with them instead of padding.
 
     python scripts/gpu_check.py --families sd3 flux --out docs/gpu_check.json
     python scripts/gpu_check.py --tiny     # the same code on the tiny copies, on the CPU (tested)
@@ -40,7 +43,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from rollout.calibration import calibrate  # noqa: E402
+from rollout.calibration import calibrate, check_batch_invariance  # noqa: E402
+from rollout.kernels import BatchInvariance  # noqa: E402
 from rollout.models.base import MicroBatching  # noqa: E402
 from rollout.models.flux import FluxFamily  # noqa: E402
 from rollout.models.sd3 import StableDiffusion3Family  # noqa: E402
@@ -218,21 +222,36 @@ def check_family(
     rollout_rate = GROUP / min(runs["rollout"])
     pipeline_rate = GROUP / min(runs["pipeline"])
 
+    def throughput_by_batch_size() -> dict:
+        throughput = {}
+        for samples in batch_sizes:
+            rollout(samples)  # warm-up at this batch size
+            seconds = {"rollout": [], "pipeline": []}
+            for _ in range(2):
+                seconds["rollout"].append(measured(device, lambda n=samples: rollout(n))[1])
+                seconds["pipeline"].append(measured(device, lambda n=samples: plain_pipeline("pt", n))[1])
+            rates = {name: samples / min(times) for name, times in seconds.items()}
+            throughput[samples] = {
+                "rollout_samples_per_s": rates["rollout"],
+                "pipeline_samples_per_s": rates["pipeline"],
+                "rollout_over_pipeline": rates["rollout"] / rates["pipeline"],
+            }
+        return throughput
+
     calibration = calibrate(family, size, size, candidates, guidance, repeats=2)
     family.micro_batching = MicroBatching(calibration.chosen)
-    throughput = {}
-    for samples in batch_sizes:
-        rollout(samples)  # warm-up at this batch size
-        seconds = {"rollout": [], "pipeline": []}
-        for _ in range(2):
-            seconds["rollout"].append(measured(device, lambda n=samples: rollout(n))[1])
-            seconds["pipeline"].append(measured(device, lambda n=samples: plain_pipeline("pt", n))[1])
-        rates = {name: samples / min(times) for name, times in seconds.items()}
-        throughput[samples] = {
-            "rollout_samples_per_s": rates["rollout"],
-            "pipeline_samples_per_s": rates["pipeline"],
-            "rollout_over_pipeline": rates["rollout"] / rates["pipeline"],
-        }
+    throughput = throughput_by_batch_size()
+    # Batch-invariant kernels (rollout/kernels.py): do they keep a sample's bits on this device, and
+    # what do they cost against padding? Measured only where they hold.
+    family.micro_batching = MicroBatching(calibration.chosen, invariance=BatchInvariance.KERNELS)
+    invariance = check_batch_invariance(family, size, size, guidance)
+    kernels = {"velocity_difference": invariance.velocity_difference, "image_difference": invariance.image_difference}
+    if invariance.holds:
+        kernels_batch = rollout()
+        kernels_replay = replay_log_probs(family, kernels_batch.schedule, kernels_batch.options, kernels_batch.samples)
+        kernels_log_probs = torch.stack([s.log_probs for s in kernels_batch.samples])
+        kernels["replay_max_abs_dlogp"] = (kernels_replay.log_probs - kernels_log_probs).abs().max().item()
+        kernels["throughput_by_batch_size"] = throughput_by_batch_size()
     return {
         "family": name,
         "transformer_parameters": parameters,
@@ -257,6 +276,7 @@ def check_family(
         "micro_batch_seconds_per_row": calibration.seconds_per_row,
         "micro_batch_chosen": calibration.chosen,
         "throughput_by_batch_size": throughput,
+        "batch_invariant_kernels": kernels,
     }
 
 

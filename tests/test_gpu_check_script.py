@@ -34,3 +34,7 @@ def test_the_gpu_check_runs_on_the_tiny_copies(tmp_path):
     assert set(throughput) == {"1", "8"}
     for rates in throughput.values():
         assert rates["rollout_over_pipeline"] == rates["rollout_samples_per_s"] / rates["pipeline_samples_per_s"] > 0
+    # Batch-invariant kernels: checked on the device, then measured like padding.
+    kernels = findings["batch_invariant_kernels"]
+    assert kernels["velocity_difference"] == kernels["image_difference"] == 0.0
+    assert kernels["replay_max_abs_dlogp"] == 0.0 and set(kernels["throughput_by_batch_size"]) == {"1", "8"}
