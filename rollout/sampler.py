@@ -34,6 +34,7 @@ from rollout.models.base import (
 )
 from rollout.options import SamplingOptions, check_seed
 from rollout.trajectory import RolloutBatch, SampleTrajectory, StepDebug
+from rollout.tree import Branching, TreeRoot, roots_of
 from rollout.transitions import take_step
 
 
@@ -159,7 +160,6 @@ def sample(
     return sample_call(pipeline, prompts, seeds, options, negative_prompts, weight_version).batch
 
 
-@torch.no_grad()
 def sample_call(
     pipeline: RolloutPipeline,
     prompts: Sequence[str],
@@ -179,34 +179,120 @@ def sample_call(
         raise InvalidRequestError(
             "negative_prompt", f"needs one per sample: {len(negative_prompts)} for {len(prompts)} prompts"
         )
+    return sample_tree(pipeline, roots_of(prompts, negative_prompts, seeds, Branching()), options, weight_version)
+
+
+@dataclass
+class _Node:
+    """A live node while sampling: its root, its path so far, the leaves to grow below it, and the
+    generator it draws from (`rollout.tree`'s noise derivation)."""
+
+    root: int
+    path: tuple[int, ...]
+    leaf_paths: tuple[tuple[int, ...], ...]
+    generator: torch.Generator
+
+
+@dataclass
+class _Epoch:
+    """The steps between two branch steps of the call: its rows (live nodes) are fixed, and what it
+    keeps is written into one buffer per tensor, a row per node.
+
+    Attributes:
+        first_step: the first transition it runs.
+        parent: `(rows,)` each row's row in the epoch before (None for the first epoch).
+        latent_steps: the kept latents it holds, by absolute step, in the order of its buffer.
+    """
+
+    first_step: int
+    nodes: list[_Node]
+    parent: torch.Tensor | None
+    latent_steps: list[int]
+    latents: torch.Tensor  # (rows, len(latent_steps), *latent_shape)
+    log_probs: torch.Tensor  # (rows, steps)
+    debug: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # velocities, means, noises: (rows, steps, ...)
+
+
+@torch.no_grad()
+def sample_tree(
+    pipeline: RolloutPipeline,
+    roots: Sequence[TreeRoot],
+    options: SamplingOptions,
+    weight_version: str | None = None,
+) -> SamplerCall:
+    """Grows every root into its leaves and records each leaf's exact trajectory (`rollout.tree`).
+
+    The transformer runs on the batch of live nodes at each step, roots of every branching together:
+    once per node and step, in the pipeline's micro-batches. Unbranched roots are plain samples.
+
+    Returns:
+        The leaves, root after root, each root's in the order of its `paths` (leaf number order by
+        default), and the transformer rows computed.
+    """
+    if len(roots) == 0:
+        raise InvalidRequestError("prompt", "needs at least one prompt")
     options = resolve_options(pipeline, options)
+    for root in roots:
+        check_seed(root.seed)
+        check_seed(root.seed + max(root.branching.leaves_per_root - 1, 0))
+        root.branching.check(options)
     latent_shape = pipeline.latent_shape(options.height, options.width)
     device = pipeline.device
-    batch_size, num_steps = len(prompts), options.num_inference_steps
+    num_steps = options.num_inference_steps
+    root_paths = [root.leaf_paths() for root in roots]
+    for paths in root_paths:
+        if len(set(paths)) != len(paths):
+            raise InvalidRequestError("branch_path", "a root grows each leaf once")
 
-    conditioning = pipeline.encode_prompts(prompts, negative_prompts, options).map(lambda t: t.cpu())
-    padded_conditioning = pad_buckets(pipeline, conditioning, options)
+    prompts, negatives = [root.prompt for root in roots], [root.negative_prompt for root in roots]
+    conditioning = pipeline.encode_prompts(prompts, negatives, options).map(lambda t: t.cpu())
     schedule = pipeline.schedule(num_steps, options.height, options.width)
     sigmas = schedule.sigmas.to(device)
-    generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in seeds]
-
-    # Everything kept is written once, in place, into one buffer per tensor; samples are views of
-    # them (a sample pickled alone is compacted, a batch is pickled as these buffers).
     kept_steps = options.kept_latent_steps()
-    slot_of_step = {step: k for k, step in enumerate(kept_steps)}
-    latents = _host_buffer((batch_size, len(kept_steps), *latent_shape), device)
-    log_probs = _host_buffer((batch_size, num_steps), device)
-    if options.debug:
-        velocities, means, noises = (_host_buffer((batch_size, num_steps, *latent_shape), device) for _ in range(3))
-        noise_stds = _host_buffer((num_steps,), device)  # shared by the batch's rows
+    branch_steps = sorted({step for root in roots for step in root.branching.steps})
+    epoch_ends = [*branch_steps, num_steps]
+    noise_stds = _host_buffer((num_steps,), device) if options.debug else None  # shared by every row
 
-    x_t = _draw_noise(generators, latent_shape, device)
-    if 0 in slot_of_step:
-        latents[:, slot_of_step[0]].copy_(x_t, non_blocking=True)
+    def new_epoch(first_step: int, nodes: list[_Node], parent: torch.Tensor | None) -> _Epoch:
+        end = epoch_ends[len(epochs)]
+        latent_steps = [step for step in kept_steps if first_step < step <= end or (step == 0 and first_step == 0)]
+        rows, steps = len(nodes), end - first_step
+        debug = None
+        if options.debug:
+            debug = tuple(_host_buffer((rows, steps, *latent_shape), device) for _ in range(3))
+        return _Epoch(
+            first_step,
+            nodes,
+            parent,
+            latent_steps,
+            _host_buffer((rows, len(latent_steps), *latent_shape), device),
+            _host_buffer((rows, steps), device),
+            debug,
+        )
+
+    # Everything kept is written once, in place, into one buffer per tensor and epoch; with no
+    # branch step there is one epoch, and the samples are views of its buffers.
+    epochs: list[_Epoch] = []
+    nodes = [
+        _Node(r, (), root_paths[r], torch.Generator(device="cpu").manual_seed(root.seed)) for r, root in enumerate(roots)
+    ]
+    epoch = new_epoch(0, nodes, None)
+    epochs.append(epoch)
+    padded_conditioning = pad_buckets(pipeline, conditioning, options)
+    transformer_rows = 0
+    x_t = _draw_noise([node.generator for node in nodes], latent_shape, device)
+    _keep(epoch, 0, x_t)
     for step in range(num_steps):
         v = predict_velocity(pipeline, x_t, schedule.model_timesteps[step], padded_conditioning, options)
+        transformer_rows += sum(len(bucket.conditioning) for bucket in padded_conditioning.buckets)
+        if step in branch_steps:  # the velocity was computed once per node; its children share it
+            nodes, parent = _branch(roots, epoch.nodes, step)
+            epoch = new_epoch(step, nodes, parent)
+            epochs.append(epoch)
+            x_t, v = x_t[parent.to(x_t.device)], v[parent.to(v.device)]
+            padded_conditioning = pad_buckets(pipeline, conditioning.select([node.root for node in nodes]), options)
         kind = options.transition_at(step)
-        noise = _draw_noise(generators, latent_shape, device) if kind.draws_noise else None
+        noise = _draw_noise([node.generator for node in nodes], latent_shape, device) if kind.draws_noise else None
         transition = take_step(
             kind,
             x_t,
@@ -219,40 +305,98 @@ def sample_call(
             log_prob_form=options.log_prob_form,
         )
         x_t = transition.x_next
-        if step + 1 in slot_of_step:
-            latents[:, slot_of_step[step + 1]].copy_(x_t, non_blocking=True)
-        log_probs[:, step].copy_(transition.log_prob, non_blocking=True)
+        _keep(epoch, step + 1, x_t)
+        slot = step - epoch.first_step
+        epoch.log_probs[:, slot].copy_(transition.log_prob, non_blocking=True)
         if options.debug:
-            velocities[:, step].copy_(v, non_blocking=True)
-            means[:, step].copy_(transition.mean, non_blocking=True)
+            velocities, means, noises = epoch.debug
+            velocities[:, slot].copy_(v, non_blocking=True)
+            means[:, slot].copy_(transition.mean, non_blocking=True)
             noise_stds[step].copy_(transition.noise_std, non_blocking=True)
             if noise is None:
-                noises[:, step].zero_()
+                noises[:, slot].zero_()
             else:
-                noises[:, step].copy_(noise, non_blocking=True)
+                noises[:, slot].copy_(noise, non_blocking=True)
 
     images = pipeline.decode(x_t).cpu()
     final_latents = x_t.cpu()
     if device.type == "cuda":  # the non-blocking copies above have landed only once the stream is done
         torch.cuda.current_stream(device).synchronize()
     latent_step_indices = torch.tensor(kept_steps, dtype=torch.int64)
-    samples = [
-        SampleTrajectory(
+    rows_of_leaf = _rows_in_each_epoch(epochs)
+
+    def leaf(row: int) -> SampleTrajectory:
+        node = epoch.nodes[row]
+        root = roots[node.root]
+        debug = None
+        if options.debug:
+            velocities, means, noises = (_along(epochs, rows_of_leaf[row], lambda e, i=i: e.debug[i]) for i in range(3))
+            debug = StepDebug(velocities, means, noise_stds, noises)
+        return SampleTrajectory(
             schedule=schedule,
-            prompt=prompts[i],
-            negative_prompt=negative_prompts[i],
-            seed=seeds[i],
-            image=images[i],
-            final_latents=final_latents[i],
-            log_probs=log_probs[i],
-            latents=latents[i],
+            prompt=root.prompt,
+            negative_prompt=root.negative_prompt,
+            seed=root.seed + root.branching.offset(node.path),
+            image=images[row],
+            final_latents=final_latents[row],
+            log_probs=_along(epochs, rows_of_leaf[row], lambda e: e.log_probs),
+            latents=_along(epochs, rows_of_leaf[row], lambda e: e.latents),
             latent_step_indices=latent_step_indices,
             weight_version=weight_version,
-            debug=StepDebug(velocities[i], means[i], noise_stds, noises[i]) if options.debug else None,
-            denoising_env=conditioning.row(i) if options.return_denoising_env else None,
+            debug=debug,
+            denoising_env=conditioning.row(node.root) if options.return_denoising_env else None,
+            branching=root.branching,
+            branch_path=node.path,
         )
-        for i in range(batch_size)
-    ]
+
+    # The last epoch's rows are the leaves, root after root and in path order within each root.
+    row_of = {(node.root, node.path): row for row, node in enumerate(epoch.nodes)}
+    samples = [leaf(row_of[(r, path)]) for r, paths in enumerate(root_paths) for path in paths]
     batch = RolloutBatch(schedule=schedule, options=options, model=pipeline.name, samples=samples)
-    rows_per_step = sum(len(bucket.conditioning) for bucket in padded_conditioning.buckets)
-    return SamplerCall(batch, transformer_rows=rows_per_step * num_steps)
+    return SamplerCall(batch, transformer_rows=transformer_rows)
+
+
+def _keep(epoch: _Epoch, step: int, x: torch.Tensor) -> None:
+    if step in epoch.latent_steps:
+        epoch.latents[:, epoch.latent_steps.index(step)].copy_(x, non_blocking=True)
+
+
+def _branch(roots: Sequence[TreeRoot], nodes: list[_Node], step: int) -> tuple[list[_Node], torch.Tensor]:
+    """The live nodes after `step`'s branches, and each one's row before them: a node branching here
+    becomes its children (child 0 keeps its generator, child c > 0 starts one seeded with its
+    first leaf's seed), every other node goes on as it is."""
+    children, parent = [], []
+    for row, node in enumerate(nodes):
+        branching = roots[node.root].branching
+        if step not in branching.steps:
+            children.append(node)
+            parent.append(row)
+            continue
+        depth = len(node.path)
+        for child in sorted({path[depth] for path in node.leaf_paths}):
+            path = (*node.path, child)
+            generator = node.generator
+            if child > 0:
+                seed = roots[node.root].seed + branching.offset(path)
+                generator = torch.Generator(device="cpu").manual_seed(seed)
+            leaf_paths = tuple(p for p in node.leaf_paths if p[depth] == child)
+            children.append(_Node(node.root, path, leaf_paths, generator))
+            parent.append(row)
+    return children, torch.tensor(parent, dtype=torch.int64)
+
+
+def _rows_in_each_epoch(epochs: list[_Epoch]) -> list[list[int]]:
+    """For each row of the last epoch, its ancestor's row in every epoch, first to last."""
+    rows = [[row] for row in range(len(epochs[-1].nodes))]
+    for later in reversed(epochs[1:]):
+        for ancestry in rows:
+            ancestry.insert(0, int(later.parent[ancestry[0]]))
+    return rows
+
+
+def _along(epochs: list[_Epoch], rows: list[int], buffer_of) -> torch.Tensor:
+    """A leaf's tensor along its path: its rows of each epoch's buffer, joined on the step axis (a
+    view of the buffer when there is one epoch)."""
+    if len(epochs) == 1:
+        return buffer_of(epochs[0])[rows[0]]
+    return torch.cat([buffer_of(e)[row] for e, row in zip(epochs, rows)])

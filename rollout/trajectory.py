@@ -25,6 +25,7 @@ import torch
 from rollout.errors import NonFiniteOutputError
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
+from rollout.tree import Branching
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class SampleTrajectory:
         denoising_env: this sample's conditioning, when asked for: `Conditioning.row`'s map in
             SGLang's layout (`image_kwargs`, `pos_cond_kwargs`, `neg_cond_kwargs`, `guidance`),
             tensors without the batch dimension.
+        branching: the branch steps and factors of the tree it is a leaf of (`rollout.tree`); none
+            for an unbranched sample.
+        branch_path: its child index at each branch step, from its root; () when unbranched.
     """
 
     schedule: ScheduleSnapshot
@@ -76,6 +80,8 @@ class SampleTrajectory:
     weight_version: str | None = None
     debug: StepDebug | None = None
     denoising_env: dict[str, Any] | None = None
+    branching: Branching = Branching()
+    branch_path: tuple[int, ...] = ()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The sample's tensors by field name, its debug tensors' as `debug.<name>`."""

@@ -140,6 +140,27 @@ class BucketedConditioning:
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "BucketedConditioning":
         return BucketedConditioning(tuple(ConditioningBucket(b.rows, b.conditioning.map(fn)) for b in self.buckets))
 
+    def select(self, index: Sequence[int]) -> "BucketedConditioning":
+        """A batch whose row j is this batch's row `index[j]` (rows may repeat): a tree's live nodes
+        take their root's conditioning. Buckets keep their order; empty ones are left out."""
+        position = {}  # this batch's row -> (bucket, position in the bucket)
+        for b, bucket in enumerate(self.buckets):
+            for p, row in enumerate(bucket.rows.tolist()):
+                position[row] = (b, p)
+        rows: list[list[int]] = [[] for _ in self.buckets]
+        positions: list[list[int]] = [[] for _ in self.buckets]
+        for j, row in enumerate(index):
+            b, p = position[row]
+            rows[b].append(j)
+            positions[b].append(p)
+        return BucketedConditioning(
+            tuple(
+                ConditioningBucket(torch.tensor(rows[b], dtype=torch.int64), bucket.conditioning.rows(torch.tensor(positions[b])))
+                for b, bucket in enumerate(self.buckets)
+                if rows[b]
+            )
+        )
+
     def row(self, i: int) -> dict[str, Any]:
         """Batch row `i`'s `denoising_env` (`Conditioning.row`)."""
         for bucket in self.buckets:

@@ -1,0 +1,189 @@
+"""Tree rollouts: the leaves of a root share its prefix and branch at chosen steps.
+
+A request with branch steps s_1 < ... < s_m and factors f_1, ..., f_m grows each root into
+L = f_1 x ... x f_m leaves: the root's trajectory runs alone up to x_{s_1}; there its velocity is
+computed once, and each of its f_1 children draws its own noise for the transition
+x_{s_1} -> x_{s_1 + 1}; every child does the same at s_2, and so on. A node is a partial trajectory:
+the root owns x_0 .. x_{s_1} and the transitions before s_1, a child created at s_d owns the
+transitions s_d .. s_{d+1} - 1 and the latents after them. A leaf's trajectory is its nodes' in
+order, and reads as any sample's (`SampleTrajectory`), with its `branch_path` (c_1, ..., c_m), its
+child index at each branch step.
+
+How each node's noise is drawn, so that the same request gives the same bits and a leaf can be
+regenerated alone:
+- A root's leaves are L consecutive samples of the request, with consecutive seeds; the root's seed
+  is its first leaf's. The leaf with path (c_1, ..., c_m) is the root's leaf number
+  `offset = sum_d c_d * (f_{d+1} x ... x f_m)`, and its seed is the root's seed plus its offset.
+- Every node draws from one CPU generator. The root's is seeded with the root's seed and draws what
+  an unbranched sample draws: its initial noise, then one draw per stochastic step. At a branch
+  step, child 0 keeps its parent's generator (the parent's first leaf is child 0's first leaf), and
+  child c > 0 starts one seeded with its own first leaf's seed; either way the child's next draw is
+  the noise of its branch step's transition.
+- So a leaf's noise comes from the generators seeded `branch_seeds(root_seed, path)`: one per
+  segment of its path, the same seed again where a child 0 kept its parent's generator. Its root's
+  seed is its seed minus its offset; with its path and the branching, that is all it takes to grow
+  it alone (`TreeRoot.of_leaf`).
+- With no branch steps a root is one leaf, and draws exactly what an unbranched sample draws.
+
+Cost: the transformer runs once per node and step owned, `sum over nodes of the steps it runs`: a
+root runs steps 0 .. s_1, a child created at s_d runs s_d + 1 .. s_{d+1} (its velocity at s_{d+1}
+is computed once for all its children). For one branch into 16 at step 4 of 10 steps, that is
+5 + 16 x 5 = 85 rows per root instead of 16 x 10 = 160.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from rollout.errors import InvalidRequestError, short_repr
+from rollout.options import SamplingOptions
+from rollout.transitions import TransitionKind
+
+STEPS_FIELD = "rollout_branch_steps"
+FACTORS_FIELD = "rollout_branch_factors"
+
+
+@dataclass(frozen=True)
+class Branching:
+    """Where a root branches and into how many children: the same for every root of a request.
+
+    Attributes:
+        steps: the branch steps, strictly increasing (absolute step indices).
+        factors: children per node at each branch step, each >= 2.
+    """
+
+    steps: tuple[int, ...] = ()
+    factors: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for field, values in ((STEPS_FIELD, self.steps), (FACTORS_FIELD, self.factors)):
+            if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+                raise InvalidRequestError(field, f"must be a list of integers, got {short_repr(values)}")
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+                raise InvalidRequestError(field, f"must contain integers, got {short_repr(list(values))}")
+        object.__setattr__(self, "steps", tuple(self.steps))
+        object.__setattr__(self, "factors", tuple(self.factors))
+        if len(self.factors) != len(self.steps):
+            raise InvalidRequestError(
+                FACTORS_FIELD,
+                f"needs one factor per branch step: {len(self.factors)} factors for {len(self.steps)} steps",
+            )
+        if any(step < 0 for step in self.steps) or any(b <= a for a, b in zip(self.steps, self.steps[1:])):
+            raise InvalidRequestError(STEPS_FIELD, f"must be strictly increasing steps >= 0, got {list(self.steps)}")
+        if any(factor < 2 for factor in self.factors):
+            raise InvalidRequestError(FACTORS_FIELD, f"each must be >= 2, got {list(self.factors)}")
+
+    def __bool__(self) -> bool:
+        return bool(self.steps)
+
+    @property
+    def leaves_per_root(self) -> int:
+        return math.prod(self.factors)
+
+    def check(self, options: SamplingOptions) -> None:
+        """Raises `InvalidRequestError` naming ``rollout_branch_steps`` unless every branch step is a
+        stochastic step of a request with `options`: children that drew no noise would be copies."""
+        last = options.num_inference_steps - 1
+        for step in self.steps:
+            if step > last:
+                raise InvalidRequestError(
+                    STEPS_FIELD,
+                    f"step {step} is out of range [0, {last}] of num_inference_steps {options.num_inference_steps}",
+                )
+            kind = options.transition_at(step)
+            if kind is TransitionKind.ODE:
+                window = "" if options.sde_step_indices is None else f" (rollout_sde_step_indices {list(options.sde_step_indices)})"
+                raise InvalidRequestError(
+                    STEPS_FIELD, f"step {step} is a deterministic (ode) step of this request{window}: a branch needs a stochastic step"
+                )
+            if options.noise_level == 0 or (kind is TransitionKind.CPS and step == last):
+                raise InvalidRequestError(
+                    STEPS_FIELD,
+                    f"step {step} draws noise with a standard deviation of 0 here (rollout_noise_level "
+                    f"{options.noise_level}, {kind.value}): its children would be copies",
+                )
+
+    def stride(self, depth: int) -> int:
+        """Leaves below one child created at branch step `depth` (0-based): f_{depth+2} x ... x f_m."""
+        return math.prod(self.factors[depth + 1 :])
+
+    def offset(self, path: Sequence[int]) -> int:
+        """The leaf number, among its root's leaves, of the first leaf below the node at `path`."""
+        return sum(child * self.stride(depth) for depth, child in enumerate(path))
+
+    def path_of(self, offset: int) -> tuple[int, ...]:
+        """The path of the root's leaf number `offset`."""
+        return tuple((offset // self.stride(depth)) % factor for depth, factor in enumerate(self.factors))
+
+    def check_path(self, path: Sequence[int]) -> tuple[int, ...]:
+        path = tuple(path)
+        if len(path) != len(self.factors) or any(
+            isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < f for c, f in zip(path, self.factors)
+        ):
+            raise InvalidRequestError(
+                "branch_path", f"must be one child index per branch step, below factors {list(self.factors)}, got {short_repr(path)}"
+            )
+        return path
+
+    def branch_seeds(self, root_seed: int, path: Sequence[int]) -> tuple[int, ...]:
+        """The seeds of the generators a leaf's noise came from: the root's, then after each branch
+        step its node's (equal to the one before where a child 0 kept its parent's generator)."""
+        return tuple(root_seed + self.offset(path[:depth]) for depth in range(len(path) + 1))
+
+
+@dataclass(frozen=True)
+class TreeRoot:
+    """One root to grow, and which of its leaves (all of them by default).
+
+    Attributes:
+        seed: the root's seed, its first leaf's.
+        paths: the leaves to grow, as branch paths, in the order to return them; None: every leaf,
+            in order (leaf number 0 .. L - 1).
+    """
+
+    prompt: str
+    negative_prompt: str
+    seed: int
+    branching: Branching = Branching()
+    paths: tuple[tuple[int, ...], ...] | None = None
+
+    def leaf_paths(self) -> tuple[tuple[int, ...], ...]:
+        if self.paths is None:
+            return tuple(self.branching.path_of(offset) for offset in range(self.branching.leaves_per_root))
+        return tuple(self.branching.check_path(path) for path in self.paths)
+
+    @classmethod
+    def of_leaf(cls, leaf) -> "TreeRoot":
+        """The root that grows `leaf` (a `SampleTrajectory`) alone: the same bits as in its tree."""
+        branching = leaf.branching
+        return cls(
+            leaf.prompt,
+            leaf.negative_prompt,
+            leaf.seed - branching.offset(leaf.branch_path),
+            branching,
+            paths=(leaf.branch_path,),
+        )
+
+
+def roots_of(
+    prompts: Sequence[str], negative_prompts: Sequence[str], seeds: Sequence[int], branching: Branching
+) -> list[TreeRoot]:
+    """A request's samples (leaves, request order) as its roots: blocks of `leaves_per_root`
+    consecutive samples, each block one prompt and consecutive seeds."""
+    per_root = branching.leaves_per_root
+    if len(seeds) % per_root:
+        raise InvalidRequestError(
+            "num_outputs_per_prompt",
+            f"must be a multiple of the product of {FACTORS_FIELD} ({per_root}): {len(seeds)} samples",
+        )
+    roots = []
+    for start in range(0, len(seeds), per_root):
+        block = range(start + 1, start + per_root)
+        if any(prompts[i] != prompts[start] or negative_prompts[i] != negative_prompts[start] for i in block):
+            raise InvalidRequestError("prompt", f"the {per_root} samples of a root need one prompt and negative prompt")
+        if any(seeds[i] != seeds[start] + i - start for i in block):
+            raise InvalidRequestError("seed", f"the {per_root} samples of a root need consecutive seeds")
+        roots.append(TreeRoot(prompts[start], negative_prompts[start], seeds[start], branching))
+    return roots

@@ -1,0 +1,168 @@
+"""Tree rollouts in the library (`rollout.tree`, `rollout.sampler.sample_tree`): shared prefixes,
+children that differ from their branch step on, the noise derivation, the cost, and every
+guarantee of unbranched sampling."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rollout.errors import InvalidRequestError
+from rollout.models.base import MicroBatching
+from rollout.models.registry import load_pipeline
+from rollout.options import SamplingOptions
+from rollout.replay import replay_log_probs
+from rollout.sampler import sample, sample_tree
+from rollout.tree import Branching, TreeRoot
+from rollout.transitions import TransitionKind
+from tests.test_transitions import reference_log_prob, reference_step
+
+STEPS = 6
+OPTIONS = SamplingOptions(num_inference_steps=STEPS, debug=True)
+TWO_LEVELS = Branching(steps=(2, 4), factors=(3, 2))  # 6 leaves a root
+
+
+def grow(pipeline, roots, options=OPTIONS):
+    return sample_tree(pipeline, roots, options)
+
+
+def assert_same_leaf(a, b):
+    for name, tensor in a.tensors().items():
+        assert torch.equal(tensor, b.tensors()[name]), name
+    assert (a.seed, a.branch_path, a.branching) == (b.seed, b.branch_path, b.branching)
+
+
+def test_leaves_share_their_nodes_prefix_and_differ_from_each_branch_step_on(random_pipeline):
+    roots = [TreeRoot("7", "", 100, TWO_LEVELS), TreeRoot("7", "", 106, TWO_LEVELS)]
+    leaves = grow(random_pipeline, roots).batch.samples
+    assert [leaf.branch_path for leaf in leaves[:6]] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [leaf.seed for leaf in leaves] == list(range(100, 112))
+    first, second = leaves[:6], leaves[6:]
+    for tree in (first, second):
+        for leaf in tree:
+            # Up to the first branch step everything is the root's: latents x_0 .. x_2, log-probs 0, 1.
+            assert torch.equal(leaf.latents[:3], tree[0].latents[:3])
+            assert torch.equal(leaf.log_probs[:2], tree[0].log_probs[:2])
+            assert torch.equal(leaf.debug.model_outputs[:3], tree[0].debug.model_outputs[:3])  # v at step 2: once
+        for a, b in ((0, 2), (0, 4), (2, 4)):  # children of the root: different from x_3 on
+            assert not torch.equal(tree[a].latents[3], tree[b].latents[3])
+            assert not torch.equal(tree[a].log_probs[2], tree[b].log_probs[2])
+        for a in (0, 2, 4):  # siblings at step 4 share x_3 .. x_4 and differ from x_5 on
+            assert torch.equal(tree[a].latents[:5], tree[a + 1].latents[:5])
+            assert not torch.equal(tree[a].latents[5], tree[a + 1].latents[5])
+            assert not torch.equal(tree[a].image, tree[a + 1].image)
+    # Roots have their own initial noise.
+    assert not torch.equal(first[0].latents[0], second[0].latents[0])
+
+
+def test_every_leafs_log_probs_follow_the_flow_grpo_formula_from_its_own_latents(random_pipeline):
+    (root_leaves) = grow(random_pipeline, [TreeRoot("3", "", 5, TWO_LEVELS)]).batch
+    sigmas = root_leaves.schedule.sigmas.double().numpy()
+    for leaf in root_leaves.samples:
+        latents = leaf.latents.double().numpy()
+        velocities = leaf.debug.model_outputs.double().numpy()
+        for step in range(STEPS):
+            mean, noise_std, _ = reference_step(
+                "sde", latents[step], velocities[step], sigmas[step], sigmas[step + 1], 0.7, sigmas[1], 0
+            )
+            expected = reference_log_prob(latents[step + 1][None], mean[None], noise_std, "gaussian")[0]
+            assert math.isclose(leaf.log_probs[step].item(), expected, rel_tol=1e-4, abs_tol=1e-4), (leaf.branch_path, step)
+
+
+def test_no_branch_steps_is_todays_sampling_bit_for_bit(random_pipeline):
+    today = sample(random_pipeline, ["7", "7", "2"], [40, 41, 42], OPTIONS).samples
+    roots = [TreeRoot(p, "", s) for p, s in (("7", 40), ("7", 41), ("2", 42))]
+    for a, b in zip(today, grow(random_pipeline, roots).batch.samples):
+        assert_same_leaf(a, b)
+
+
+def test_the_same_tree_twice_gives_the_same_bits_and_a_leaf_grown_alone_equals_its_tree_leaf(random_pipeline):
+    roots = [TreeRoot("5", "", 900, TWO_LEVELS)]
+    first, again = grow(random_pipeline, roots).batch.samples, grow(random_pipeline, roots).batch.samples
+    for a, b in zip(first, again):
+        assert_same_leaf(a, b)
+    for leaf in (first[0], first[3], first[5]):  # child 0 all the way; a fresh generator at each depth
+        (alone,) = grow(random_pipeline, [TreeRoot.of_leaf(leaf)]).batch.samples
+        assert_same_leaf(alone, leaf)
+
+
+def test_the_transformer_runs_once_per_node_and_step(random_pipeline):
+    # A root runs steps 0..2; 3 children run 3..4; 6 grandchildren run 5: 3 + 3 x 2 + 6 x 1 = 15 rows,
+    # not 6 leaves x 6 steps = 36. With padding, each step's rows are whole micro-batches.
+    call = grow(random_pipeline, [TreeRoot("1", "", 0, TWO_LEVELS)])
+    size = random_pipeline.micro_batching.default
+    assert call.transformer_rows == sum(steps * math.ceil(rows / size) * size for steps, rows in ((3, 1), (2, 3), (1, 6)))
+    kernels = MicroBatching(8, invariance="kernels")
+    with_kernels = load_pipeline(micro_batching=kernels)
+    assert sample_tree(with_kernels, [TreeRoot("1", "", 0, TWO_LEVELS)], OPTIONS).transformer_rows == 3 + 3 * 2 + 6
+    one_branch = Branching(steps=(4,), factors=(16,))  # issue 19's figure at 10 steps: 5 + 16 x 5 = 85
+    options = SamplingOptions(num_inference_steps=10, sde_step_indices=(4, 5))
+    assert sample_tree(with_kernels, [TreeRoot("1", "", 0, one_branch)], options).transformer_rows == 85
+
+
+def test_branched_and_unbranched_roots_sampled_together_keep_their_bits(random_pipeline):
+    roots = [TreeRoot("4", "", 10, TWO_LEVELS), TreeRoot("9", "", 30), TreeRoot("4", "", 50, Branching((3,), (2,)))]
+    together = grow(random_pipeline, roots).batch.samples
+    alone = [leaf for root in roots for leaf in grow(random_pipeline, [root]).batch.samples]
+    assert len(together) == len(alone) == 6 + 1 + 2
+    for a, b in zip(together, alone):
+        assert_same_leaf(a, b)
+
+
+@pytest.mark.parametrize("family", [None, "sd3", "flux"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replay_of_leaves_is_exact(tiny_family_dirs, family, dtype):
+    path = None if family is None else tiny_family_dirs[family]
+    pipeline = load_pipeline(family, path, device="cpu", dtype=getattr(torch, dtype), micro_batching=MicroBatching(2))
+    size = {} if family is None else {"height": 32, "width": 32}
+    options = SamplingOptions(num_inference_steps=4, sde_step_indices=(1, 2), return_denoising_env=True, **size)
+    prompt = "7" if family is None else "a cat"
+    batch = sample_tree(pipeline, [TreeRoot(prompt, "", 3, Branching((1, 2), (2, 2)))], options).batch
+    replayed = replay_log_probs(pipeline, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(replayed.log_probs, torch.stack([leaf.log_probs for leaf in batch.samples]))
+
+
+@pytest.mark.parametrize(
+    "branching, options, field, reason",
+    [
+        (Branching((9,), (2,)), OPTIONS, "rollout_branch_steps", "out of range [0, 5]"),
+        (Branching((1,), (2,)), SamplingOptions(num_inference_steps=6, sde_step_indices=(2, 3)), "rollout_branch_steps", "deterministic (ode) step"),
+        (Branching((1,), (2,)), SamplingOptions(num_inference_steps=6, sde_type=TransitionKind.ODE), "rollout_branch_steps", "deterministic (ode) step"),
+        (Branching((1,), (2,)), SamplingOptions(num_inference_steps=6, noise_level=0.0), "rollout_branch_steps", "standard deviation of 0"),
+        (Branching((5,), (2,)), SamplingOptions(num_inference_steps=6, sde_type="cps"), "rollout_branch_steps", "standard deviation of 0"),
+    ],
+)
+def test_branches_at_steps_that_draw_no_noise_are_refused(random_pipeline, branching, options, field, reason):
+    with pytest.raises(InvalidRequestError) as caught:
+        grow(random_pipeline, [TreeRoot("1", "", 0, branching)], options)
+    assert caught.value.field == field and reason in caught.value.reason
+
+
+@pytest.mark.parametrize(
+    "arguments, field, reason",
+    [
+        ({"steps": (2,), "factors": (2, 2)}, "rollout_branch_factors", "one factor per branch step: 2 factors for 1 steps"),
+        ({"steps": (2, 2), "factors": (2, 2)}, "rollout_branch_steps", "strictly increasing"),
+        ({"steps": (3, 2), "factors": (2, 2)}, "rollout_branch_steps", "strictly increasing"),
+        ({"steps": (-1,), "factors": (2,)}, "rollout_branch_steps", "strictly increasing steps >= 0"),
+        ({"steps": (2,), "factors": (1,)}, "rollout_branch_factors", "each must be >= 2"),
+        ({"steps": (2,), "factors": (2.5,)}, "rollout_branch_factors", "must contain integers"),
+        ({"steps": "2", "factors": (2,)}, "rollout_branch_steps", "must be a list of integers"),
+    ],
+)
+def test_inconsistent_branchings_name_the_field(arguments, field, reason):
+    with pytest.raises(InvalidRequestError) as caught:
+        Branching(**arguments)
+    assert caught.value.field == field and reason in caught.value.reason
+
+
+def test_paths_offsets_and_seeds_are_the_documented_ones():
+    branching = Branching((2, 4), (3, 2))
+    assert [branching.path_of(offset) for offset in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(branching.offset(branching.path_of(offset)) == offset for offset in range(6))
+    # The root's generator, then each node's: a child 0 keeps its parent's (the same seed again).
+    assert branching.branch_seeds(100, (0, 0)) == (100, 100, 100)
+    assert branching.branch_seeds(100, (2, 1)) == (100, 104, 105)
+    assert branching.branch_seeds(100, (1, 0)) == (100, 102, 102)
+    assert np.prod(branching.factors) == branching.leaves_per_root == 6
