@@ -39,9 +39,10 @@ import ray
 
 from deployments.config import RolloutAppConfig
 from deployments.ray_private import object_ref
-from rollout.errors import RolloutError
+from rollout.errors import InvalidRequestError, RolloutError
 from rollout.plan import DeadlineExceededError, RolloutPlan, SamplingWork
 from rollout.trajectory import RolloutBatch
+from rollout.tree import FACTORS_FIELD
 
 if TYPE_CHECKING:  # the worker's module loads the model code, which the ingress does not run
     from deployments.worker import WorkerResult
@@ -199,6 +200,13 @@ class Dispatcher:
 
     async def dispatch(self, plan: RolloutPlan, deadline: float) -> RolloutResult:
         """Admits the plan's samples and sends its chunks; interrupted, it cancels what it sent."""
+        per_root = plan.branching.leaves_per_root
+        if per_root > self.config.max_batch_size:  # a root's leaves are sampled in one worker call
+            raise InvalidRequestError(
+                FACTORS_FIELD,
+                f"their product ({per_root}, the leaves of a root, sampled together) must be at most the "
+                f"server's max_batch_size ({self.config.max_batch_size})",
+            )
         size = chunk_size(plan.num_samples, self.config.num_worker_replicas, self.config.max_batch_size)
         works = plan.work(size, deadline=deadline)
         self._admit(plan.num_samples)

@@ -25,7 +25,7 @@ from rollout.kernels import BatchInvariance
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.plan import SamplingWork
-from rollout.sampler import SamplerCall, micro_batch_size, resolve_options, sample_call
+from rollout.sampler import SamplerCall, micro_batch_size, resolve_options, sample_tree
 from rollout.trajectory import RolloutBatch
 from rollout.weights import weights_layout
 
@@ -39,9 +39,10 @@ class WorkerResult:
 
     Attributes:
         batch: the work's samples, all referring to one schedule object.
-        sampler_batch_size: samples in the sampler call that produced them (shows batching).
-        transformer_rows: rows the transformer computed in that call, its padding included: the
-            padding is what exceeds `sampler_batch_size` times the steps.
+        sampler_batch_size: samples (a tree's leaves) in the sampler call that produced them (shows batching).
+        transformer_rows: rows the transformer computed in that call, its padding included: once per
+            node and step for trees (`rollout.tree`), and for unbranched samples the padding is what
+            exceeds `sampler_batch_size` times the steps.
         inference_time_s: wall time of that sampler call.
         peak_memory_mb: peak accelerator memory allocated during that call; None on the CPU.
         replica: the worker replica that sampled them.
@@ -58,12 +59,12 @@ class WorkerResult:
 
 
 def _sample_measured(pipeline: RolloutPipeline, *args, **kwargs) -> tuple[SamplerCall, float | None]:
-    """`sample_call(pipeline, ...)` and the peak accelerator memory it allocated, in MB (None on the CPU)."""
+    """`sample_tree(pipeline, ...)` and the peak accelerator memory it allocated, in MB (None on the CPU)."""
     device = pipeline.device
     if device.type != "cuda":
-        return sample_call(pipeline, *args, **kwargs), None
+        return sample_tree(pipeline, *args, **kwargs), None
     torch.cuda.reset_peak_memory_stats(device)
-    call = sample_call(pipeline, *args, **kwargs)
+    call = sample_tree(pipeline, *args, **kwargs)
     return call, torch.cuda.max_memory_allocated(device) / 2**20
 
 
@@ -180,13 +181,11 @@ class RolloutWorker:
         if not servable:
             return results
         group = [works[i] for i in servable]
-        prompts = [prompt for work in group for prompt in work.prompts]
-        negatives = [prompt for work in group for prompt in work.negative_prompts]
-        seeds = [seed for work in group for seed in work.seeds]
         start = time.perf_counter()
         try:
+            roots = [root for work in group for root in work.roots()]  # a branched request's and others', together
             call, peak_memory_mb = _sample_measured(
-                self.pipeline, prompts, seeds, group[0].options, negatives, weight_version=self.weights.version
+                self.pipeline, roots, group[0].options, weight_version=self.weights.version
             )
         except Exception as error:  # reported to each request of the group, the others go on
             logger.exception("sampling failed for %d requests", len(group))
@@ -206,7 +205,7 @@ class RolloutWorker:
                 results[i] = error
                 continue
             results[i] = WorkerResult(
-                part, len(seeds), call.transformer_rows, elapsed, peak_memory_mb, self.replica, self.node_id
+                part, len(call.batch.samples), call.transformer_rows, elapsed, peak_memory_mb, self.replica, self.node_id
             )
         served_nothing = all(isinstance(results[i], NonFiniteOutputError) for i in servable)
         self._failed_calls_in_a_row = self._failed_calls_in_a_row + 1 if served_nothing else 0

@@ -5,7 +5,8 @@ Format 3. A shard holds per-sample tensors stacked along a leading sample axis (
 schedule once (``schedule.sigmas``, ``schedule.timesteps``, ``schedule.model_timesteps``).
 ``index.json`` lists the shards, each with its byte size and SHA-256, the model that sampled it,
 the weight versions of its samples and its sampling options, and one record per sample (shard, row,
-prompt, seed, weight version, request); ``complete`` says whether the writer was closed.
+prompt, seed, weight version, request; a tree rollout's leaf also its `branch_steps`,
+`branch_factors` and `branch_path`); ``complete`` says whether the writer was closed.
 
 Nothing is ever half-written: each file is written under a temporary name, synced, then renamed,
 and the index is rewritten after each shard, so a writer stopped at any moment (an exception, a
@@ -42,6 +43,7 @@ from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import RolloutBatch, SampleTrajectory
+from rollout.tree import Branching
 
 INDEX_FILE = "index.json"
 FORMAT_VERSION = 3
@@ -159,7 +161,13 @@ class RolloutDatasetWriter:
         records = sample_records or [{} for _ in samples]
         for row, (sample, extra) in enumerate(zip(samples, records)):
             record = {"shard": shard, "row": row, "prompt": sample.prompt, "negative_prompt": sample.negative_prompt}
-            self.samples.append({**record, "seed": sample.seed, "weight_version": sample.weight_version, **extra})
+            record.update(seed=sample.seed, weight_version=sample.weight_version)
+            if sample.branching:  # a tree's leaf: its tree and its path (rollout/tree.py)
+                branching = sample.branching
+                record.update(
+                    branch_steps=list(branching.steps), branch_factors=list(branching.factors), branch_path=list(sample.branch_path)
+                )
+            self.samples.append({**record, **extra})
         self._write_index(complete=False)
         return path
 
@@ -344,10 +352,19 @@ def _load_shard(
             seed=record["seed"],
             weight_version=record.get("weight_version"),
             **{name: tensors[name][row].clone() for name in PER_SAMPLE_TENSORS},
+            **_branch_fields(record),
         )
         for row, record in enumerate(records)
     ]
     return RolloutBatch(schedule, options, model, samples)
+
+
+def _branch_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """A tree leaf's `branching` and `branch_path` from its record; nothing for an unbranched sample."""
+    if "branch_path" not in record:
+        return {}
+    branching = Branching(tuple(record["branch_steps"]), tuple(record["branch_factors"]))
+    return {"branching": branching, "branch_path": branching.check_path(record["branch_path"])}
 
 
 def _check_tensors(path: Path, tensors: dict[str, torch.Tensor], names: Iterable[str]) -> None:

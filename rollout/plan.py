@@ -18,6 +18,7 @@ from rollout.errors import InvalidRequestError, RolloutError, short_repr
 from rollout.options import MAX_SEED, SamplingOptions, check_seed
 from rollout.schema import RolloutRequest
 from rollout.transitions import LogProbForm, TransitionKind
+from rollout.tree import FACTORS_FIELD, STEPS_FIELD, Branching, TreeRoot, roots_of
 
 
 class RequestLimits(BaseModel):
@@ -61,8 +62,9 @@ class SamplingWork:
     """One sampler call's worth of one request's samples: what a worker replica receives.
 
     Attributes:
-        prompts, negative_prompts, seeds: one per sample, in request order.
+        prompts, negative_prompts, seeds: one per sample (a leaf, in a tree rollout), in request order.
         options: the request's options (a worker fills in its model's defaults once, on arrival).
+        branching: the request's tree (`rollout.tree`); its samples are whole roots' leaves.
         weight_version: the weights the request requires; None: whichever are served.
         deadline: `time.time()` past which the work is not worth sampling.
         companions_in_flight: the other samples the ingress that sent this work had in flight when
@@ -78,9 +80,13 @@ class SamplingWork:
     weight_version: str | None = None
     deadline: float | None = None
     companions_in_flight: int | None = None
+    branching: Branching = Branching()
 
     def __len__(self) -> int:
         return len(self.seeds)
+
+    def roots(self) -> list[TreeRoot]:
+        return roots_of(self.prompts, self.negative_prompts, self.seeds, self.branching)
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,8 @@ class RolloutPlan:
         options: the request's sampling options.
         prompts, negative_prompts, seeds: one per sample, prompt-major: sample i is prompt
             i // num_outputs_per_prompt, seed `seed + i`.
+        branching: the tree each root grows into: a prompt's samples are its roots' leaves, root
+            after root (`rollout.tree`); no branch steps: every sample is a root.
     """
 
     request_id: str
@@ -103,6 +111,7 @@ class RolloutPlan:
     prompts: tuple[str, ...]
     negative_prompts: tuple[str, ...]
     seeds: tuple[int, ...]
+    branching: Branching = Branching()
 
     @property
     def num_outputs_per_prompt(self) -> int:
@@ -113,7 +122,10 @@ class RolloutPlan:
         return len(self.seeds)
 
     def work(self, chunk_size: int, deadline: float | None = None) -> list[SamplingWork]:
-        """The request's samples in order, cut into pieces of at most `chunk_size`."""
+        """The request's samples in order, cut into pieces of at most `chunk_size`, of whole roots
+        (a root's leaves are sampled together: at least one root a piece)."""
+        per_root = self.branching.leaves_per_root
+        chunk_size = max(per_root, chunk_size - chunk_size % per_root)
         return [
             SamplingWork(
                 self.prompts[start : start + chunk_size],
@@ -122,6 +134,7 @@ class RolloutPlan:
                 self.options,
                 self.request.weight_version,
                 deadline,
+                branching=self.branching,
             )
             for start in range(0, self.num_samples, chunk_size)
         ]
@@ -154,15 +167,38 @@ def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str
     seed = secrets.randbelow(2**31) if request.seed is None else check_seed(request.seed)
     if seed + num_samples - 1 > MAX_SEED:
         raise InvalidRequestError("seed", f"seed + number of samples - 1 must be <= {MAX_SEED}")
+    options = _sampling_options(request, steps)
     return RolloutPlan(
         request_id=request_id or secrets.token_hex(8),
         request=request,
         seed=seed,
-        options=_sampling_options(request, steps),
+        options=options,
         prompts=tuple(p for p in prompts for _ in range(per_prompt)),
         negative_prompts=tuple(n for n in negative_prompts for _ in range(per_prompt)),
         seeds=tuple(range(seed, seed + num_samples)),
+        branching=_branching(request, options),
     )
+
+
+def _branching(request: RolloutRequest, options: SamplingOptions) -> Branching:
+    """The request's tree, checked against its options and its outputs per prompt."""
+    steps, factors = request.rollout_branch_steps, request.rollout_branch_factors
+    if steps is None and factors is None:
+        return Branching()
+    if steps is None or factors is None:
+        given, missing = (STEPS_FIELD, FACTORS_FIELD) if factors is None else (FACTORS_FIELD, STEPS_FIELD)
+        raise InvalidRequestError(missing, f"needed with {given}: one factor per branch step")
+    if not request.rollout:
+        raise InvalidRequestError(STEPS_FIELD, "branches need a rollout's stochastic steps; this request has rollout: false")
+    branching = Branching(tuple(steps), tuple(factors))
+    branching.check(options)
+    per_root = branching.leaves_per_root
+    if request.outputs_per_prompt % per_root:
+        raise InvalidRequestError(
+            "num_outputs_per_prompt",
+            f"must be a multiple of the product of {FACTORS_FIELD} ({per_root}), got {request.outputs_per_prompt}",
+        )
+    return branching
 
 
 def _negative_prompt_per_prompt(request: RolloutRequest, num_prompts: int) -> list[str]:
@@ -229,7 +265,12 @@ def _check_value_limits(request: RolloutRequest, limits: RequestLimits, steps: i
             raise InvalidRequestError(field, f"must be at most {limit} (limits.{limit_name}), got {short_repr(value)}")
     # Each step can be named once, so a longer list is refused by its length alone, before anything
     # walks its entries (150,000 zeros took 13 s in SamplingOptions' duplicate check).
-    step_lists = (("rollout_sde_step_indices", steps, steps - 1), ("rollout_return_step_indices", steps + 1, steps))
+    step_lists = (
+        ("rollout_sde_step_indices", steps, steps - 1),
+        ("rollout_return_step_indices", steps + 1, steps),
+        (STEPS_FIELD, steps, steps - 1),
+        (FACTORS_FIELD, steps, steps - 1),  # one per branch step
+    )
     for field, most, largest in step_lists:
         indices = getattr(request, field)
         if indices is not None and len(indices) > most:

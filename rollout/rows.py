@@ -27,8 +27,10 @@ def response_rows(
     inference_time_s: float,
     peak_memory_mb: float | None = None,
 ) -> list[dict[str, Any]]:
-    """One map per sample, in request order: SGLang's keys, then the extensions `prompt_index`,
-    `sample_seed` and `weight_version`."""
+    """One map per sample (a tree's leaf), in request order: SGLang's keys, then the extensions
+    `prompt_index`, `sample_seed`, `weight_version`, `branch_path` (the leaf's child index at each
+    branch step; [] unbranched) and `branch_seeds` (the seeds of the generators its noise came from,
+    root first: `rollout.tree`)."""
     request = plan.request
     kept_steps = torch.tensor(batch.options.kept_latent_steps(), dtype=torch.int64)
     trajectory_labels = {
@@ -53,6 +55,8 @@ def response_rows(
             "prompt_index": i // plan.num_outputs_per_prompt,
             "sample_seed": sample.seed,
             "weight_version": sample.weight_version,
+            "branch_path": list(sample.branch_path),
+            "branch_seeds": list(sample.branching.branch_seeds(sample.root_seed, sample.branch_path)),
         }
         for i, sample in enumerate(batch.samples)
     ]

@@ -82,6 +82,16 @@ class RolloutRequest(BaseModel):
     weight_version: str | None = Field(
         None, description="(extension) The weights the request requires; a replica serving others refuses it."
     )
+    rollout_branch_steps: Items[int] | None = Field(
+        None,
+        description="(extension) Tree rollouts: the stochastic steps at which every node branches, strictly "
+        "increasing (rollout/tree.py).",
+    )
+    rollout_branch_factors: Items[int] | None = Field(
+        None,
+        description="(extension) Children per node at each branch step, each >= 2; num_outputs_per_prompt is a "
+        "multiple of their product (the roots per prompt).",
+    )
     rollout_timeout_s: float | None = Field(
         None,
         gt=0,

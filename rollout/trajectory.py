@@ -1,15 +1,19 @@
 """What a rollout returns: per-sample trajectories beside the per-request data they share.
 
 Per-sample data (latents, log-probs, seed, image) lives in `SampleTrajectory`; per-request data
-(the schedule, the options) lives once in `RolloutBatch`. No code ever has to guess from a
-tensor's shape which kind it holds. Each sample refers to its request's one `ScheduleSnapshot`
+(the schedule, the options) lives once in `RolloutBatch`; in a tree rollout (`rollout.tree`), what a
+node's leaves share (the prefix's latents, log-probs and debug tensors) is a `TreeNode`'s, between
+the two. No code ever has to guess from a tensor's shape which kind it holds. Each sample refers to its request's one `ScheduleSnapshot`
 object; pickling keeps that sharing, so the schedule crosses a process boundary once and the
 samples still refer to one object on the other side.
 
 A batch crosses a process boundary with each tensor field stacked over its samples into one
-numpy array (the sampler's own buffer, uncopied, when the samples are its consecutive rows): Ray's object store carries numpy buffers out of band, so the receiver maps them
-without a copy, and the samples' tensors are views of them (read-only in spirit: they share
-the object store's memory; `clone()` a tensor before changing it in place).
+numpy array (the sampler's own buffer, uncopied, when the samples are its consecutive rows): Ray's
+object store carries numpy buffers out of band, so the receiver maps them without a copy, and the
+samples' tensors are views of them (read-only in spirit: they share the object store's memory;
+`clone()` a tensor before changing it in place). A tree's leaves cross as their nodes, each node's
+tensors once, stacked over the nodes of equal shapes; on the other side each leaf's tensors are
+joined from its path's nodes.
 """
 
 from __future__ import annotations
@@ -83,6 +87,11 @@ class SampleTrajectory:
     branching: Branching = Branching()
     branch_path: tuple[int, ...] = ()
 
+    @property
+    def root_seed(self) -> int:
+        """Its root's seed (`rollout.tree`): its own seed when unbranched."""
+        return self.seed - self.branching.offset(self.branch_path)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The sample's tensors by field name, its debug tensors' as `debug.<name>`."""
         tensors = {name: getattr(self, name) for name in _TENSOR_FIELDS}
@@ -94,6 +103,35 @@ class SampleTrajectory:
         # A sample unpacked from a batch holds views of the batch's stacked buffers; pickled on
         # its own, a view would carry the whole buffer along.
         return _sample, (_plain_fields(self), {name: _compact(t) for name, t in self.tensors().items()})
+
+
+# A leaf's tensors that follow its path: each node holds its own steps of them.
+_PATH_FIELDS = ("latents", "log_probs", "debug.model_outputs", "debug.prev_sample_means", "debug.variance_noises")
+
+
+@dataclass(frozen=True)
+class TreeNode:
+    """Per-node data of a tree rollout (`rollout.tree`): the partial trajectory shared by every
+    leaf below it, held once.
+
+    Attributes:
+        root: the index of its root among the batch's roots (in order of their first leaf).
+        path: its child index at each branch step so far; () for a root.
+        steps: the transitions it owns (its `log_probs` and debug tensors' steps).
+        latent_step_indices: `(k,)` int64, the absolute steps of the kept latents it owns.
+        tensors: its part of each path-following field, by `SampleTrajectory.tensors` name:
+            `latents` `(k, ...)`, `log_probs` `(len(steps),)`, and with debug tensors
+            `debug.model_outputs`, `debug.prev_sample_means`, `debug.variance_noises`
+            `(len(steps), ...)`.
+        leaves: the batch indices of the leaves below it.
+    """
+
+    root: int
+    path: tuple[int, ...]
+    steps: range
+    latent_step_indices: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+    leaves: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -119,7 +157,49 @@ class RolloutBatch:
 
     def __reduce__(self):
         plain = [_plain_fields(s) for s in self.samples]
-        return _unpacked_batch, (self.schedule, self.options, self.model, plain, _stacked(self.samples))
+        if not any(s.branching for s in self.samples):
+            return _unpacked_batch, (self.schedule, self.options, self.model, plain, _stacked(self.samples))
+        nodes = self.tree()
+        own = _stacked(self.samples, exclude=_PATH_FIELDS)
+        shapes = [{name: tuple(t.shape) for name, t in node.tensors.items()} for node in nodes]
+        groups: dict[str, list[int]] = {}  # nodes of equal tensor shapes are stacked together
+        for i, shape in enumerate(shapes):
+            groups.setdefault(repr(sorted(shape.items())), []).append(i)
+        stacked_nodes = [(members, _stacked([_NodeTensors(nodes[i].tensors) for i in members])) for members in groups.values()]
+        position = {(node.root, node.path): k for k, node in enumerate(nodes)}
+        root_of = {leaf: node.root for node in nodes if not node.path for leaf in node.leaves}
+        paths = [
+            [position[(root_of[i], leaf.branch_path[:depth])] for depth in range(len(leaf.branch_path) + 1)]
+            for i, leaf in enumerate(self.samples)
+        ]
+        return _unpacked_tree_batch, (self.schedule, self.options, self.model, plain, own, stacked_nodes, paths)
+
+    def tree(self) -> list[TreeNode]:
+        """The batch's tree nodes, root by root, each node before its children (`TreeNode`): the
+        data each node's leaves share, as views of its first leaf's tensors. Unbranched samples are
+        roots of one leaf. A trainer groups rewards with it: BranchGRPO's node reward is the mean of
+        its `leaves`' rewards, TempFlow-GRPO's groups are the children of one node."""
+        num_steps = self.options.num_inference_steps
+        roots: dict[tuple, int] = {}
+        nodes: dict[tuple, dict[str, Any]] = {}
+        for i, leaf in enumerate(self.samples):
+            key = (leaf.prompt, leaf.negative_prompt, leaf.root_seed, leaf.branching)
+            root = roots.setdefault(key, len(roots))
+            for depth in range(len(leaf.branch_path) + 1):
+                node = nodes.setdefault((root, leaf.branch_path[:depth]), {"first": leaf, "depth": depth, "leaves": []})
+                node["leaves"].append(i)
+        tree = []
+        for (root, path), node in nodes.items():
+            first, depth = node["first"], node["depth"]
+            steps = first.branching.owned_steps(depth, num_steps)
+            owned = [
+                k for k, step in enumerate(first.latent_step_indices.tolist()) if first.branching.owns_latent(depth, step, num_steps)
+            ]
+            tensors = first.tensors()
+            mine = {"latents": tensors["latents"][owned[0] : owned[-1] + 1] if owned else tensors["latents"][:0]}
+            mine.update({name: tensors[name][steps.start : steps.stop] for name in _PATH_FIELDS[1:] if name in tensors})
+            tree.append(TreeNode(root, path, steps, first.latent_step_indices[owned], mine, tuple(node["leaves"])))
+        return tree
 
     def check_finite(self) -> None:
         """Raises `NonFiniteOutputError` naming the tensors of the samples that hold NaN or inf:
@@ -187,12 +267,22 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
 
 
-def _stacked(samples: Sequence[SampleTrajectory]) -> dict[str, np.ndarray | list[torch.Tensor]]:
-    """Each tensor field over the samples: one numpy array where shapes and dtypes agree (numpy
-    has the dtype), else the samples' own tensors."""
+@dataclass(frozen=True)
+class _NodeTensors:
+    """A node's tensors, stacked over nodes as a sample's are over samples."""
+
+    by_name: dict[str, torch.Tensor]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.by_name
+
+
+def _stacked(samples: Sequence[Any], exclude: Sequence[str] = ()) -> dict[str, np.ndarray | list[torch.Tensor]]:
+    """Each tensor field over the samples (anything with `tensors()`), but those in `exclude`: one
+    numpy array where shapes and dtypes agree (numpy has the dtype), else the samples' own tensors."""
     per_sample = [s.tensors() for s in samples]
     stacked: dict[str, np.ndarray | list[torch.Tensor]] = {}
-    for name in per_sample[0] if per_sample else ():
+    for name in [name for name in per_sample[0] if name not in exclude] if per_sample else ():
         tensors = [tensors[name] for tensors in per_sample]
         first = tensors[0]
         if first.dtype != torch.bfloat16 and all(t.shape == first.shape and t.dtype == first.dtype for t in tensors):
@@ -219,6 +309,16 @@ def _consecutive_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return rows.set_(storage, first.storage_offset(), (len(tensors), *first.shape))
 
 
+def _columns(stacked: dict[str, np.ndarray | list[torch.Tensor]]) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    columns = {}
+    with warnings.catch_warnings():
+        # Ray hands numpy buffers out of the object store read-only; torch cannot mark a tensor so.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, value in stacked.items():
+            columns[name] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    return columns
+
+
 def _unpacked_batch(
     schedule: ScheduleSnapshot,
     options: SamplingOptions,
@@ -226,14 +326,33 @@ def _unpacked_batch(
     plain: list[dict[str, Any]],
     stacked: dict[str, np.ndarray | list[torch.Tensor]],
 ) -> RolloutBatch:
-    columns = {}
-    with warnings.catch_warnings():
-        # Ray hands numpy buffers out of the object store read-only; torch cannot mark a tensor so.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for name, value in stacked.items():
-            columns[name] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    columns = _columns(stacked)
     samples = [
         _sample({**fields, "schedule": schedule}, {name: column[i] for name, column in columns.items()})
         for i, fields in enumerate(plain)
     ]
+    return RolloutBatch(schedule, options, model, samples)
+
+
+def _unpacked_tree_batch(
+    schedule: ScheduleSnapshot,
+    options: SamplingOptions,
+    model: str,
+    plain: list[dict[str, Any]],
+    own: dict[str, np.ndarray | list[torch.Tensor]],
+    stacked_nodes: list[tuple[list[int], dict[str, np.ndarray | list[torch.Tensor]]]],
+    paths: list[list[int]],
+) -> RolloutBatch:
+    node_tensors: dict[int, dict[str, torch.Tensor]] = {}
+    for members, stacked in stacked_nodes:
+        columns = _columns(stacked)
+        for position, node in enumerate(members):
+            node_tensors[node] = {name: column[position] for name, column in columns.items()}
+    own_columns = _columns(own)
+    samples = []
+    for i, fields in enumerate(plain):
+        tensors = {name: column[i] for name, column in own_columns.items()}
+        for name in node_tensors[paths[i][0]]:  # a leaf's path: its nodes' parts, joined in step order
+            tensors[name] = torch.cat([node_tensors[node][name] for node in paths[i]])
+        samples.append(_sample({**fields, "schedule": schedule}, tensors))
     return RolloutBatch(schedule, options, model, samples)

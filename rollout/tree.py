@@ -127,6 +127,17 @@ class Branching:
             )
         return path
 
+    def owned_steps(self, depth: int, num_steps: int) -> range:
+        """The transitions a node at `depth` (0: a root) owns: its log-probs' and debug tensors' steps."""
+        bounds = (0, *self.steps, num_steps)
+        return range(bounds[depth], bounds[depth + 1])
+
+    def owns_latent(self, depth: int, step: int, num_steps: int) -> bool:
+        """Whether latent x_step is a node at `depth`'s: a root's are x_0 .. x_{s_1}, a child's those
+        after the transitions it owns."""
+        owned = self.owned_steps(depth, num_steps)
+        return owned.start < step <= owned.stop or step == 0 == depth
+
     def branch_seeds(self, root_seed: int, path: Sequence[int]) -> tuple[int, ...]:
         """The seeds of the generators a leaf's noise came from: the root's, then after each branch
         step its node's (equal to the one before where a child 0 kept its parent's generator)."""
@@ -157,14 +168,7 @@ class TreeRoot:
     @classmethod
     def of_leaf(cls, leaf) -> "TreeRoot":
         """The root that grows `leaf` (a `SampleTrajectory`) alone: the same bits as in its tree."""
-        branching = leaf.branching
-        return cls(
-            leaf.prompt,
-            leaf.negative_prompt,
-            leaf.seed - branching.offset(leaf.branch_path),
-            branching,
-            paths=(leaf.branch_path,),
-        )
+        return cls(leaf.prompt, leaf.negative_prompt, leaf.root_seed, leaf.branching, paths=(leaf.branch_path,))
 
 
 def roots_of(

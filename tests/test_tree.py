@@ -3,6 +3,7 @@ children that differ from their branch step on, the noise derivation, the cost, 
 guarantee of unbranched sampling."""
 
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -166,3 +167,23 @@ def test_paths_offsets_and_seeds_are_the_documented_ones():
     assert branching.branch_seeds(100, (2, 1)) == (100, 104, 105)
     assert branching.branch_seeds(100, (1, 0)) == (100, 102, 102)
     assert np.prod(branching.factors) == branching.leaves_per_root == 6
+
+
+def test_a_tree_crosses_processes_as_its_nodes_once_and_its_leaves_come_back_whole(random_pipeline):
+    roots = [TreeRoot("8", "", 70, TWO_LEVELS), TreeRoot("2", "", 90)]
+    batch = grow(random_pipeline, roots).batch
+    nodes = batch.tree()
+    # Two roots, 3 children, 6 grandchildren for the first; the second is a root of one leaf.
+    assert [(node.root, node.path) for node in nodes][:4] == [(0, ()), (0, (0,)), (0, (0, 0)), (0, (0, 1))]
+    assert len(nodes) == 1 + 3 + 6 + 1 and nodes[-1].leaves == (6,) and nodes[0].leaves == tuple(range(6))
+    root, child = nodes[0], nodes[1]
+    assert list(root.steps) == [0, 1] and root.latent_step_indices.tolist() == [0, 1, 2]
+    assert list(child.steps) == [2, 3] and child.latent_step_indices.tolist() == [3, 4]
+    assert torch.equal(root.tensors["latents"], batch.samples[5].latents[:3])
+    unpickled = pickle.loads(pickle.dumps(batch))
+    for a, b in zip(batch.samples, unpickled.samples):
+        assert_same_leaf(a, b)
+    assert all(leaf.schedule is unpickled.schedule for leaf in unpickled.samples)
+    # The shared prefix travels once: the pickled tree is smaller than its leaves pickled apart.
+    apart = sum(len(pickle.dumps(batch.subset([i]))) for i in range(len(batch.samples)))
+    assert len(pickle.dumps(batch)) < 0.8 * apart

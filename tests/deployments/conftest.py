@@ -15,7 +15,7 @@ from ray import serve  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from deployments.local_ray import start_local_ray  # noqa: E402
-from tests.deployments.apps import APP_NAME, TEST_CONFIG, free_port  # noqa: E402
+from tests.deployments.apps import APP_NAME, TEST_CONFIG, deploy, free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +38,15 @@ def serve_app(ray_cluster):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     handle = serve.run(build_app(TEST_CONFIG), name=APP_NAME, route_prefix="/")
     return handle, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def kernels_app(serve_app):
+    """One worker replica serving the embedded model under batch-invariant kernels: what a test
+    needs when requests must share its one sampler."""
+    app = deploy(serve_app, "kernels-test", num_worker_replicas=1, model={"batch_invariance": "kernels"})
+    yield app
+    serve.delete(app.name)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from deployments.dispatch import (
     WorkerLostError,
     chunk_size,
 )
+from rollout.errors import InvalidRequestError
 from rollout.plan import DeadlineExceededError, RequestLimits, plan_rollout
 from rollout.schema import parse_request
 
@@ -67,6 +68,18 @@ def test_a_request_is_cut_so_every_replica_gets_a_share_and_no_chunk_passes_a_ba
     result = asyncio.run(dispatcher(workers).dispatch(plan(3), deadline=1e12))
     assert [work.seeds for work in workers.sent] == [(0, 1), (2,)]
     assert [r.work for r in asyncio.run(result.worker_results_async())] == workers.sent
+
+
+def test_a_tree_request_is_cut_into_whole_roots_and_a_root_larger_than_a_batch_is_refused():
+    tree = {"rollout_branch_steps": [2], "rollout_branch_factors": [4], "num_inference_steps": 4}
+    workers = Workers()
+    asyncio.run(dispatcher(workers, max_batch_size=6).dispatch(plan(12, **tree), deadline=1e12))
+    # Chunks of 6 would cut a root of 4 leaves: chunks of 4, each one root with its branching.
+    assert [work.seeds for work in workers.sent] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+    assert {work.branching.factors for work in workers.sent} == {(4,)}
+    with pytest.raises(InvalidRequestError) as caught:
+        asyncio.run(dispatcher(Workers(), max_batch_size=3).dispatch(plan(4, **tree), deadline=1e12))
+    assert caught.value.field == "rollout_branch_factors" and "at most the server's max_batch_size (3)" in caught.value.reason
 
 
 def test_each_part_says_how_many_other_samples_the_ingress_had_in_flight_when_it_was_sent():

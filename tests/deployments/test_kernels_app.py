@@ -1,22 +1,12 @@
 """A worker serving under fixed-block kernels (`model.batch_invariance: kernels`): nothing padded,
 and a sample's bits are the library's for that sample alone, whatever it was batched with."""
 
-import pytest
 import torch
-from ray import serve
 
 from rollout.kernels import BatchInvariance
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.sampler import sample
-from tests.deployments.apps import deploy
-
-
-@pytest.fixture(scope="module")
-def kernels_app(serve_app):
-    app = deploy(serve_app, "kernels-test", num_worker_replicas=1, model={"batch_invariance": "kernels"})
-    yield app
-    serve.delete(app.name)
 
 
 def test_served_samples_are_the_librarys_alone_and_nothing_is_padded(kernels_app):

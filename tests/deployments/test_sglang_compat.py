@@ -54,7 +54,7 @@ SGLANG_ROW_KEYS = [
     "inference_time_s",
     "peak_memory_mb",
 ]
-EXTENSION_ROW_KEYS = ["prompt_index", "sample_seed", "weight_version"]
+EXTENSION_ROW_KEYS = ["prompt_index", "sample_seed", "weight_version", "branch_path", "branch_seeds"]
 ENCODINGS = ["application/msgpack", "application/json"]
 
 

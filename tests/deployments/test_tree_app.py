@@ -1,0 +1,99 @@
+"""Tree rollouts served (`rollout_branch_steps`, `rollout_branch_factors`): rows per leaf with their
+paths and seeds, HTTP and handle bit for bit, the library's bits, sampled together with unbranched
+requests, and every bad combination of fields a 400 naming it."""
+
+import pytest
+import torch
+
+from rollout.models.base import MicroBatching
+from rollout.models.registry import load_pipeline
+from rollout.sampler import sample_tree
+from rollout.tree import Branching, TreeRoot
+from tests.deployments.replicas import held_samplers
+from tests.deployments.test_http import post
+
+TREE = {
+    "prompt": ["3", "8"],
+    "num_outputs_per_prompt": 8,
+    "num_inference_steps": 6,
+    "seed": 500,
+    "rollout_sde_step_indices": [2, 3, 4],
+    "rollout_branch_steps": [2, 4],
+    "rollout_branch_factors": [2, 2],
+    "rollout_return_dit_trajectory": True,
+}
+BRANCHING = Branching((2, 4), (2, 2))
+
+
+def test_rows_are_leaves_with_their_paths_and_seeds_and_http_and_handle_agree(http, base_url, handle):
+    rows = post(http, base_url, TREE)
+    batch = handle.generate.remote(TREE).result().batch()
+    assert len(rows) == len(batch.samples) == 16
+    # Per prompt, 2 roots of 4 leaves; sample seeds stay seed + i, as unbranched.
+    assert [row["sample_seed"] for row in rows] == list(range(500, 516))
+    assert [row["branch_path"] for row in rows[:4]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert rows[4]["branch_path"] == [0, 0] and rows[4]["branch_seeds"] == [504, 504, 504]
+    assert rows[3]["branch_seeds"] == [500, 502, 503]  # a new generator at each depth
+    first = rows[0]["dit_trajectory"]
+    for row, leaf in zip(rows, batch.samples):
+        assert tuple(row["branch_path"]) == leaf.branch_path and row["sample_seed"] == leaf.seed
+        for key in ("sigmas", "scheduler_timesteps", "model_timesteps"):  # whole, the same in every row
+            assert torch.equal(row["dit_trajectory"][key], first[key])
+        assert torch.equal(row["dit_trajectory"]["latents"], leaf.latents)
+        assert torch.equal(row["rollout_log_probs"], leaf.log_probs)
+        assert torch.equal(row["generated_output"], leaf.image)
+    # Siblings share their prefix: the first root's leaves, x_0 .. x_2; the two at step 4, x_3 .. x_4.
+    latents = [row["dit_trajectory"]["latents"] for row in rows[:4]]
+    assert all(torch.equal(leaf[:3], latents[0][:3]) for leaf in latents)
+    assert torch.equal(latents[0][:5], latents[1][:5]) and not torch.equal(latents[0][5], latents[1][5])
+    assert not torch.equal(latents[0][3], latents[2][3])
+
+
+def test_a_tree_shares_a_sampler_call_with_an_unbranched_request_and_keeps_the_librarys_bits(kernels_app):
+    """On one worker replica (the kernels app), both queue behind a held call, then meet in the next."""
+    tree = {**TREE, "prompt": "8", "num_outputs_per_prompt": 4}
+    unbranched = {key: value for key, value in TREE.items() if not key.startswith("rollout_branch")}
+    unbranched.update(prompt="5", num_outputs_per_prompt=1, seed=40)
+    with held_samplers(kernels_app.name):
+        # Other options: sampled alone, first, while the two requests arrive.
+        kernels_app.handle.generate.remote({"prompt": "1", "num_inference_steps": 2}).result()
+        results = [kernels_app.handle.generate.remote(body).result() for body in (tree, unbranched)]
+    parts = [part for result in results for part in result.worker_results()]
+    assert [part.sampler_batch_size for part in parts] == [5, 5]
+    # Nothing padded under the kernels: a root runs steps 0 .. 2, 2 children 3 .. 4, 4 leaves 5;
+    # the unbranched sample all 6.
+    assert parts[0].transformer_rows == 3 + 2 * 2 + 4 + 6
+    library = load_pipeline(micro_batching=MicroBatching(8, invariance="kernels"))  # the served model's
+    batch = results[0].batch()
+    roots = [TreeRoot("8", "", 500, BRANCHING), TreeRoot("5", "", 40)]
+    alone = [leaf for root in roots for leaf in sample_tree(library, [root], batch.options).batch.samples]
+    for leaf, expected in zip([*batch.samples, *results[1].batch().samples], alone):
+        for name, tensor in expected.tensors().items():
+            assert torch.equal(leaf.tensors()[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    "fields, field, reason",
+    [
+        ({"rollout_branch_factors": [2]}, "rollout_branch_steps", "needed with rollout_branch_factors"),
+        ({"rollout_branch_steps": [2]}, "rollout_branch_factors", "needed with rollout_branch_steps"),
+        ({"rollout_branch_steps": [2], "rollout_branch_factors": [2, 2]}, "rollout_branch_factors", "one factor per branch step"),
+        ({"rollout_branch_steps": [3, 2], "rollout_branch_factors": [2, 2]}, "rollout_branch_steps", "strictly increasing"),
+        ({"rollout_branch_steps": [2], "rollout_branch_factors": [1]}, "rollout_branch_factors", "each must be >= 2"),
+        ({"rollout_branch_steps": [7], "rollout_branch_factors": [2]}, "rollout_branch_steps", "out of range [0, 5]"),
+        ({"rollout_branch_steps": [1], "rollout_branch_factors": [2]}, "rollout_branch_steps", "deterministic (ode) step"),
+        ({"rollout_branch_steps": [2], "rollout_branch_factors": [3]}, "num_outputs_per_prompt", "multiple of the product"),
+        ({"rollout_branch_steps": [2], "rollout_branch_factors": [2], "rollout": False}, "rollout_branch_steps", "rollout: false"),
+        ({"rollout_branch_steps": [2], "rollout_branch_factors": [2], "rollout_noise_level": 0.0}, "rollout_branch_steps", "standard deviation of 0"),
+        ({"rollout_branch_steps": list(range(9)), "rollout_branch_factors": [2] * 9}, "rollout_branch_steps", "at most 6 entries"),
+        ({"rollout_branch_steps": [2], "rollout_branch_factors": ["2"]}, "rollout_branch_factors.0", "Input should be a valid integer"),
+    ],
+)
+def test_bad_tree_fields_are_400s_naming_the_field(http, base_url, fields, field, reason):
+    body = {**TREE, "num_outputs_per_prompt": 4, **{k: v for k, v in fields.items()}}
+    body = {key: value for key, value in body.items() if key not in {"rollout_branch_steps", "rollout_branch_factors"} or key in fields}
+    response = http.post(f"{base_url}/rollout/generate", json=body)
+    expected_status = 422 if field.endswith(".0") else 400
+    assert response.status_code == expected_status, response.text
+    error = response.json()["error"]
+    assert error["field"] == field and reason in error["message"], error
