@@ -23,7 +23,7 @@ import requests
 import torch
 from ray import serve
 
-from benchmarks import codec, schedule_exactness, throughput
+from benchmarks import codec, schedule_exactness, throughput, trees
 from benchmarks.serving import (
     InProcessSampler,
     Spread,
@@ -334,6 +334,42 @@ class Suite:
             *throughput.memory_table(memory, **throughput.MEMORY_LOAD),
         )
 
+    def tree_rollouts(self, one) -> None:
+        """Issue 19: a tree's transformer rows and wall time against the same request unbranched."""
+        runs, rows = trees.library_runs()
+        figures = trees.measure(runs, rows, self.rounds)
+
+        def served(branching):
+            parts = one.generate.remote(trees.request_fields(branching)).result().worker_results()
+            return sum(part.transformer_rows for part in parts)  # one call a part: chunks of a whole batch
+
+        served_rows = {name: served(branching) for name, branching in trees.TREES.items()}
+        served_runs = {
+            name: (lambda b=branching: one.generate.remote(trees.request_fields(b)).result().batch())
+            for name, branching in trees.TREES.items()
+        }
+        served_figures = trees.measure(served_runs, served_rows, self.rounds)
+        for path, results in (("library", figures), ("handle", served_figures)):
+            for f in results[1:]:
+                self.targets.append(
+                    (
+                        f"tree rollout, {f.name}, {path}: wall time / unbranched (row ratio {f.row_ratio:.3f})",
+                        f"{f.time_ratio}",
+                        f"within 15% of {f.row_ratio:.3f}",
+                    )
+                )
+        self.section(
+            "Tree rollouts against the same request unbranched",
+            f"`benchmarks/trees.py`: {trees.PROMPTS} prompts x {trees.OUTPUTS} outputs of the embedded model, "
+            f"{trees.STEPS} steps, SDE window {list(trees.WINDOW)}, latents x_4 .. x_6 kept; the library in this "
+            f"process (1 torch thread, micro-batch 8) and the handle to the one-replica application (batches of "
+            f"{ONE_REPLICA['max_batch_size']}, whole roots), the trees taking turns, median (min - max) of "
+            f"{self.rounds} rounds.",
+            "",
+            *trees.table(figures, "library"),
+            *trees.table(served_figures, "handle")[2:],
+        )
+
     def write(self, path: Path, elapsed_s: float) -> None:
         machine = f"{platform.machine()}, {os.cpu_count()} cores"
         versions = f"Python {platform.python_version()}, torch {torch.__version__}, diffusers {diffusers.__version__}, ray {ray.__version__}"
@@ -377,6 +413,7 @@ def main() -> None:
         suite.worker_results(one)
         suite.batch_transport(one)
         suite.replicas(one, two)
+        suite.tree_rollouts(one)
         suite.burst(default)
         suite.clients()
     finally:
