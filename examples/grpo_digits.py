@@ -2,10 +2,15 @@
 
     python examples/grpo_digits.py                      # starts Ray and the application itself
     ray job submit --working-dir . -- python examples/grpo_digits.py --app-name rollout
+    python examples/grpo_digits.py --window-start 4 --sde-window 2 --branch      # tree rollouts
+    python examples/grpo_digits.py --window-start 4 --sde-window 2 --compare-branch
 
 Each iteration:
-1. rollouts: one request of `--prompts` digits x `--group-size` samples, stochastic on the first
-   `--sde-window` of `--steps` steps (the others run as ODE), requiring the current weights;
+1. rollouts: one request of `--prompts` digits x `--group-size` samples, stochastic on the
+   `--sde-window` steps from `--window-start` of `--steps` steps (the others run as ODE), requiring
+   the current weights. With `--branch`, each prompt's group is one tree (TempFlow-GRPO's fork):
+   one trajectory up to the window's first step, where it branches into the group, each child
+   drawing its own noise from there on; the transformer runs once for the shared prefix;
 2. reward: ink, the mean pixel value of the image (the classifier already scores 99% on the
    prompted digit, so it leaves no headroom); the classifier's accuracy on the prompted digit
    is logged as the guard against reward hacking;
@@ -15,7 +20,9 @@ Each iteration:
    rebuilt); the first step's ratio must be exactly 1;
 5. the new weights to every replica: the LoRA adapter's tensors (default) or the full
    transformer (`--full-weights`), through the object store.
-Writes `metrics.jsonl` and `reward_curve.png` to `--output`.
+Writes `metrics.jsonl` and `reward_curve.png` to `--output`; `--compare-branch` trains unbranched,
+then branched, from the same start, and plots both rewards against wall time
+(`reward_vs_wall_time.png`).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
@@ -47,6 +54,8 @@ class GRPOConfig:
     group_size: int = 8
     steps: int = 10
     sde_window: int = 4
+    window_start: int = 0
+    branch: bool = False
     noise_level: float = 0.7
     learning_rate: float = 3e-4
     clip_range: float = 1e-3
@@ -125,7 +134,7 @@ def train(handle, config: GRPOConfig, log=print) -> list[dict]:
     """Runs the loop against the application behind `handle`; one metrics dict per iteration."""
     trainer = Trainer(config)
     classifier = DigitClassifier.from_pretrained()
-    window = list(range(config.sde_window))
+    window = list(range(config.window_start, config.window_start + config.sde_window))
     version = "grpo-0"
     weights, lora_args = trainer.weights()
     push_weights(handle, weights, version, **lora_args)  # the server serves what the trainer holds
@@ -140,10 +149,12 @@ def train(handle, config: GRPOConfig, log=print) -> list[dict]:
             "seed": config.seed + iteration * config.prompts * config.group_size,
             "rollout_noise_level": config.noise_level,
             "rollout_sde_step_indices": window,
-            "rollout_return_step_indices": list(range(config.sde_window + 1)),
+            "rollout_return_step_indices": [*window, window[-1] + 1],  # x_i and x_(i+1) of each step trained
             "rollout_debug_mode": False,
             "weight_version": version,
         }
+        if config.branch:  # one root a prompt, forked into its group at the window's first step
+            request.update(rollout_branch_steps=[window[0]], rollout_branch_factors=[config.group_size])
         batch = handle.generate.remote(request).result().batch()
         rollout_s = time.perf_counter() - started
 
@@ -199,6 +210,29 @@ def plot(history: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def plot_against_wall_time(histories: dict[str, list[dict]], path: Path) -> None:
+    """Each run's mean reward against its own elapsed time (rollout, training and weight sync)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    for label, history in histories.items():
+        elapsed, seconds = [], 0.0
+        for m in history:
+            seconds += m["rollout_s"] + m["train_s"] + m["sync_s"]
+            elapsed.append(seconds)
+        axis.plot(elapsed, [m["reward"] for m in history], marker=".", label=label)
+    axis.set_xlabel("wall time (s): rollout + training + weight sync")
+    axis.set_ylabel("mean reward (ink)")
+    axis.legend()
+    figure.suptitle("Flow-GRPO on the digits model: tree rollouts against unbranched")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def main(argv: list[str] | None = None) -> None:
     defaults = GRPOConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,17 +244,26 @@ def main(argv: list[str] | None = None) -> None:
             parser.add_argument(flag, type=type(value), default=value)
     parser.add_argument("--app-name", default="rollout", help="the application to use, deployed if not running")
     parser.add_argument("--output", type=Path, default=Path("outputs/grpo"))
+    parser.add_argument("--compare-branch", action="store_true", help="train unbranched, then with --branch")
     args = vars(parser.parse_args(argv))
-    app_name, output = args.pop("app_name"), args.pop("output")
+    app_name, output, compare = args.pop("app_name"), args.pop("output"), args.pop("compare_branch")
     config = GRPOConfig(**args)
 
     ray.init(log_to_driver=False)  # in a job: the cluster's; run as a script: a new local one
     handle = get_or_deploy_app(app_name, {"worker_torch_threads": 1})
-    output.mkdir(parents=True, exist_ok=True)
-    with open(output / "metrics.jsonl", "w") as metrics:
-        history = train(handle, config, log=lambda line: (print(line, flush=True), metrics.write(line + "\n")))
-    plot(history, output / "reward_curve.png")
-    print(f"reward {history[0]['reward']} -> {history[-1]['reward']}; curve in {output / 'reward_curve.png'}")
+    runs = {"unbranched": replace(config, branch=False), "branched": replace(config, branch=True)} if compare else {"": config}
+    histories = {}
+    for label, run_config in runs.items():
+        run_output = output / label
+        run_output.mkdir(parents=True, exist_ok=True)
+        with open(run_output / "metrics.jsonl", "w") as metrics:
+            log = lambda line: (print(line, flush=True), metrics.write(line + "\n"))  # noqa: E731
+            histories[label] = history = train(handle, run_config, log=log)
+        plot(history, run_output / "reward_curve.png")
+        print(f"{label or 'run'}: reward {history[0]['reward']} -> {history[-1]['reward']}; curve in {run_output / 'reward_curve.png'}")
+    if compare:
+        plot_against_wall_time(histories, output / "reward_vs_wall_time.png")
+        print(f"both against wall time: {output / 'reward_vs_wall_time.png'}")
 
 
 if __name__ == "__main__":

@@ -369,6 +369,16 @@ def test_the_grpo_example_trains_on_policy(app, base):
     assert served(app).keys() and {version for version, _ in served(app).values()} == {"grpo-2"}
 
 
+def test_the_grpo_example_trains_on_policy_from_tree_rollouts(app):
+    """`--branch`: each prompt's group is one tree forked at the window's first step; the leaves'
+    ratio is exactly 1 too."""
+    from examples.grpo_digits import GRPOConfig, train
+
+    config = GRPOConfig(iterations=1, prompts=2, group_size=4, steps=4, sde_window=2, window_start=1, branch=True, minibatch=4)
+    history = train(app.handle, config, log=lambda line: None)
+    assert [m["first_step_max_abs_dlogp"] for m in history] == [0.0] and history[0]["optimizer_steps"] == 2
+
+
 def test_replicas_follow_a_restarted_coordinator(app, base):
     """The coordinator's replica dies: Serve restarts it, the worker replicas register with the
     new one, and updates reach all of them again."""
