@@ -124,6 +124,8 @@ class TreeNode:
             `debug.model_outputs`, `debug.prev_sample_means`, `debug.variance_noises`
             `(len(steps), ...)`.
         leaves: the batch indices of the leaves below it.
+        children: the indices, in the batch's `tree()`, of the nodes it branched into at its last
+            step (none for a leaf).
     """
 
     root: int
@@ -132,6 +134,7 @@ class TreeNode:
     latent_step_indices: torch.Tensor
     tensors: dict[str, torch.Tensor]
     leaves: tuple[int, ...]
+    children: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,7 @@ class RolloutBatch:
         """The batch's tree nodes, root by root, each node before its children (`TreeNode`): the
         data each node's leaves share, as views of its first leaf's tensors. Unbranched samples are
         roots of one leaf. A trainer groups rewards with it: BranchGRPO's node reward is the mean of
-        its `leaves`' rewards, TempFlow-GRPO's groups are the children of one node."""
+        its `leaves`' rewards, TempFlow-GRPO's groups are a node's `children`."""
         num_steps = self.options.num_inference_steps
         roots: dict[tuple, int] = {}
         nodes: dict[tuple, dict[str, Any]] = {}
@@ -188,6 +191,11 @@ class RolloutBatch:
             for depth in range(len(leaf.branch_path) + 1):
                 node = nodes.setdefault((root, leaf.branch_path[:depth]), {"first": leaf, "depth": depth, "leaves": []})
                 node["leaves"].append(i)
+        index = {key: k for k, key in enumerate(nodes)}
+        children: dict[tuple, list[int]] = {key: [] for key in nodes}
+        for root, path in nodes:
+            if path:
+                children[(root, path[:-1])].append(index[(root, path)])
         tree = []
         for (root, path), node in nodes.items():
             first, depth = node["first"], node["depth"]
@@ -198,7 +206,11 @@ class RolloutBatch:
             tensors = first.tensors()
             mine = {"latents": tensors["latents"][owned[0] : owned[-1] + 1] if owned else tensors["latents"][:0]}
             mine.update({name: tensors[name][steps.start : steps.stop] for name in _PATH_FIELDS[1:] if name in tensors})
-            tree.append(TreeNode(root, path, steps, first.latent_step_indices[owned], mine, tuple(node["leaves"])))
+            tree.append(
+                TreeNode(
+                    root, path, steps, first.latent_step_indices[owned], mine, tuple(node["leaves"]), tuple(children[(root, path)])
+                )
+            )
         return tree
 
     def check_finite(self) -> None:

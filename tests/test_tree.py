@@ -187,3 +187,18 @@ def test_a_tree_crosses_processes_as_its_nodes_once_and_its_leaves_come_back_who
     # The shared prefix travels once: the pickled tree is smaller than its leaves pickled apart.
     apart = sum(len(pickle.dumps(batch.subset([i]))) for i in range(len(batch.samples)))
     assert len(pickle.dumps(batch)) < 0.8 * apart
+
+
+def test_the_tree_gives_a_trainer_node_rewards_and_sibling_groups_in_a_few_lines(random_pipeline):
+    batch = grow(random_pipeline, [TreeRoot("6", "", 20, TWO_LEVELS)]).batch
+    nodes = batch.tree()
+    reward = torch.stack([leaf.image.mean() for leaf in batch.samples])
+    node_reward = [reward[list(node.leaves)].mean() for node in nodes]  # BranchGRPO's backup
+    assert torch.equal(node_reward[0], reward.mean()) and torch.equal(node_reward[-1], reward[5])
+    assert nodes[0].children == (1, 4, 7) and nodes[1].children == (2, 3) and nodes[2].children == ()
+    assert [nodes[c].path for c in nodes[4].children] == [(1, 0), (1, 1)]
+    for node in nodes:  # TempFlow-GRPO: each branch's children against each other
+        if node.children:
+            values = torch.stack([node_reward[c] for c in node.children])
+            advantages = values - values.mean()
+            assert advantages.shape == (len(node.children),) and abs(advantages.sum().item()) < 1e-6
