@@ -47,17 +47,18 @@ class BatchInvariance(str, enum.Enum):
 
 
 # Operations run one sample at a time: the parameters, in positional order, that carry the batch
-# as their leading dimension.
-_PER_SAMPLE: dict[Callable, tuple[str, ...]] = {
-    F.linear: ("input",),
-    F.conv1d: ("input",),
-    F.conv2d: ("input",),
-    F.conv3d: ("input",),
-    F.conv_transpose1d: ("input",),
-    F.conv_transpose2d: ("input",),
-    F.conv_transpose3d: ("input",),
-    F.group_norm: ("input",),
-    F.scaled_dot_product_attention: ("query", "key", "value", "attn_mask"),
+# as their leading dimension, and the fewest dimensions the first one has when it has a batch (an
+# unbatched input, a single vector or image, is left as it is).
+_PER_SAMPLE: dict[Callable, tuple[tuple[str, ...], int]] = {
+    F.linear: (("input",), 2),
+    F.conv1d: (("input",), 3),
+    F.conv2d: (("input",), 4),
+    F.conv3d: (("input",), 5),
+    F.conv_transpose1d: (("input",), 3),
+    F.conv_transpose2d: (("input",), 4),
+    F.conv_transpose3d: (("input",), 5),
+    F.group_norm: (("input",), 2),
+    F.scaled_dot_product_attention: (("query", "key", "value", "attn_mask"), 3),
 }
 _MEANS = (torch.mean, torch.Tensor.mean)
 
@@ -71,10 +72,17 @@ class BatchInvariantKernels(TorchFunctionMode):
         kwargs = kwargs or {}
         # The mode is off while its handler runs, so the calls below reach the stock kernels.
         if func in _PER_SAMPLE:
-            return _one_sample_at_a_time(func, _PER_SAMPLE[func], args, kwargs)
-        if func in _MEANS and _reduces_within_samples(args, kwargs):
+            batched, batched_dims = _PER_SAMPLE[func]
+            if _leading(batched, args, kwargs).dim() >= batched_dims:
+                return _one_sample_at_a_time(func, batched, args, kwargs)
+        elif func in _MEANS and _reduces_within_samples(args, kwargs):
             return _one_sample_at_a_time(func, ("input",), args, kwargs)
         return func(*args, **kwargs)
+
+
+def _leading(batched: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The first batched parameter's value."""
+    return args[0] if args else kwargs[batched[0]]
 
 
 def _reduces_within_samples(args: tuple, kwargs: dict[str, Any]) -> bool:
@@ -88,8 +96,8 @@ def _reduces_within_samples(args: tuple, kwargs: dict[str, Any]) -> bool:
 
 
 def _one_sample_at_a_time(func: Callable, batched: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> Any:
-    leading = args[0] if args else kwargs[batched[0]]
-    size = leading.shape[0] if leading.dim() else 0
+    leading = _leading(batched, args, kwargs)
+    size = leading.shape[0]
     if size == 0:
         return func(*args, **kwargs)
 

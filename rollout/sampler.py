@@ -1,18 +1,22 @@
 """The denoising loop: samples a batch and records each sample's exact trajectory.
 
-Two properties hold by construction and are tested:
-- Determinism: sample i draws everything from its own CPU generator seeded `seeds[i]`
-  (its initial noise first, then one draw per stochastic step).
+One loop serves plain samples and tree rollouts (`rollout.tree`): it runs over the live nodes,
+and a plain sample is a root of one leaf. Three properties hold by construction and are tested:
+- Determinism: sample i draws everything from its own CPU generator seeded `seeds[i]` (its
+  initial noise first, then one draw per stochastic step); a tree's nodes draw as
+  `rollout.tree` derives.
 - Batch invariance: a sample's trajectory is bit-identical whether it is generated alone or in
   any batch. The model runs on micro-batches, each of rows of one conditioning bucket (rows whose
   text is padded to the same length), and either every micro-batch is padded to exactly the
   pipeline's micro-batch size for the image size, so every row sees the same kernels, or the
   calls take the rows there are and run under batch-invariant kernels (`rollout.kernels`).
+- Cost: the transformer runs once per live node and step (`SamplerCall.transformer_rows`).
 
 Memory: the conditioning stays on the CPU and goes to the device one micro-batch at a time,
 and every latent and debug tensor kept leaves the device as it is produced, into one host
-buffer per kept tensor allocated once per call; the samples are views of those buffers. Device
-memory grows with the micro-batch, host memory with what is kept, once.
+buffer per kept tensor, allocated once per epoch (the steps between two branch steps; one epoch
+without them); the samples are views of those buffers (a tree's leaves join their epochs' rows).
+Device memory grows with the micro-batch, host memory with what is kept, once.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """What a rollout returns: per-sample trajectories beside the per-request data they share.
 
 Per-sample data (latents, log-probs, seed, image) lives in `SampleTrajectory`; per-request data
-(the schedule, the options) lives once in `RolloutBatch`; in a tree rollout (`rollout.tree`), what a
-node's leaves share (the prefix's latents, log-probs and debug tensors) is a `TreeNode`'s, between
-the two. No code ever has to guess from a tensor's shape which kind it holds. Each sample refers to its request's one `ScheduleSnapshot`
-object; pickling keeps that sharing, so the schedule crosses a process boundary once and the
-samples still refer to one object on the other side.
+(the schedule, the options) lives once in `RolloutBatch`; in a tree rollout (`rollout.tree`),
+what a node's leaves share (the prefix's latents, log-probs and debug tensors) is a `TreeNode`'s,
+between the two. No code ever has to guess from a tensor's shape which kind it holds. Each sample
+refers to its request's one `ScheduleSnapshot` object; pickling keeps that sharing, so the
+schedule crosses a process boundary once and the samples still refer to one object on the other
+side.
 
 A batch crosses a process boundary with each tensor field stacked over its samples into one
 numpy array (the sampler's own buffer, uncopied, when the samples are its consecutive rows): Ray's

@@ -59,6 +59,10 @@ def test_a_linear_row_is_the_same_alone_and_beside_others_where_the_stock_kernel
         transposed = tokens.transpose(1, 2).contiguous().transpose(1, 2)
         assert torch.equal(F.linear(transposed, weight, bias)[3], alone)
         torch.testing.assert_close(F.linear(tokens, weight, bias), linear_map)
+        # Unbatched inputs, a single vector or image, are left to the stock kernels.
+        assert torch.equal(F.linear(tokens[0, 0], weight, bias), tokens[0, 0] @ weight.T + bias)
+        image, kernel = torch.randn(2, 5, 5), torch.randn(3, 2, 3, 3)
+        assert F.conv2d(image, kernel).shape == (3, 3, 3)
 
 
 def test_per_sample_operations_give_a_sample_the_same_bits_alone_and_beside_others():
