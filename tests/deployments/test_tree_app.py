@@ -7,6 +7,7 @@ import torch
 
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
+from rollout.options import SamplingOptions
 from rollout.sampler import sample_tree
 from rollout.tree import Branching, TreeRoot
 from tests.deployments.replicas import held_samplers
@@ -47,6 +48,21 @@ def test_rows_are_leaves_with_their_paths_and_seeds_and_http_and_handle_agree(ht
     assert all(torch.equal(leaf[:3], latents[0][:3]) for leaf in latents)
     assert torch.equal(latents[0][:5], latents[1][:5]) and not torch.equal(latents[0][5], latents[1][5])
     assert not torch.equal(latents[0][3], latents[2][3])
+
+
+def test_a_leaf_regenerated_alone_from_its_row_equals_its_row(http, base_url):
+    """What a row carries is enough: its prompt, its path, its root's seed (`branch_seeds[0]`) and
+    the request's branching grow that leaf alone, with no sibling, to the row's bits."""
+    rows = post(http, base_url, TREE)
+    library = load_pipeline(micro_batching=MicroBatching(8))  # the served model's
+    options = SamplingOptions(num_inference_steps=6, sde_step_indices=(2, 3, 4))
+    for row in (rows[0], rows[7], rows[14]):
+        root = TreeRoot(row["prompt"], "", row["branch_seeds"][0], BRANCHING, paths=(tuple(row["branch_path"]),))
+        (leaf,) = sample_tree(library, [root], options).batch.samples
+        assert leaf.seed == row["sample_seed"]
+        assert torch.equal(leaf.latents, row["dit_trajectory"]["latents"])
+        assert torch.equal(leaf.log_probs, row["rollout_log_probs"])
+        assert torch.equal(leaf.image, row["generated_output"])
 
 
 def test_a_tree_shares_a_sampler_call_with_an_unbranched_request_and_keeps_the_librarys_bits(kernels_app):
