@@ -144,6 +144,8 @@ class RolloutWorker:
             "scheduler": {"class_name": type(scheduler).__name__, "config": dict(scheduler.config)},
             "default_height": self.pipeline.default_height,
             "default_width": self.pipeline.default_width,
+            "default_num_frames": self.pipeline.default_num_frames,
+            "experts": list(self.pipeline.experts),
             "default_guidance_scale": self.pipeline.default_guidance_scale,
             "image_size_limits": self.pipeline.image_size_limits.describe(),
             "device": str(self.pipeline.device),
@@ -157,9 +159,10 @@ class RolloutWorker:
             raise InvalidRequestError("num_outputs_per_prompt", f"a worker takes at most {limit} samples at once")
         self.pipeline.check_prompts(work.prompts, work.negative_prompts)
         # The model's defaults, filled in once: the queue groups and the sampler samples by them.
-        options = resolve_options(self.pipeline, work.options)
-        self.pipeline.latent_shape(options.height, options.width)
-        return await self._queue.submit(dataclasses.replace(work, options=options))
+        work = dataclasses.replace(work, options=resolve_options(self.pipeline, work.options))
+        options = work.options
+        work.check_response_size(self.pipeline.latent_shape(options.height, options.width, options.num_frames), self.config.limits)
+        return await self._queue.submit(work)
 
     async def _sample_on_thread(self, works: list[SamplingWork]) -> list[WorkerResult | Exception]:
         return await self._on_sampling_thread(self._sample_group, works)

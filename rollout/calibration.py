@@ -60,7 +60,7 @@ def _probe(
     )
     (one_row,) = pipeline.encode_prompts([CALIBRATION_PROMPT], [""], options).buckets
     timestep = pipeline.schedule(options.num_inference_steps, height, width).model_timesteps[0].to(pipeline.device)
-    return options, pipeline.latent_shape(height, width), one_row.conditioning, timestep
+    return options, pipeline.latent_shape(height, width, options.num_frames), one_row.conditioning, timestep
 
 
 def calibrate(

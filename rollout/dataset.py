@@ -52,8 +52,10 @@ LOADABLE_FORMATS = (1, 2, FORMAT_VERSION)
 PARTIAL_SUFFIX = ".partial"
 # `SampleTrajectory` fields stored per sample, under their own names.
 PER_SAMPLE_TENSORS = ("image", "final_latents", "log_probs", "latents", "latent_step_indices")
-# `ScheduleSnapshot` fields, each stored once per shard as `schedule.<name>`.
+# `ScheduleSnapshot` fields, each stored once per shard as `schedule.<name>`; the optional ones
+# (a two-expert model's `model_experts`) where the schedule has them.
 SCHEDULE_TENSORS = tuple(f.name for f in dataclasses.fields(ScheduleSnapshot))
+OPTIONAL_SCHEDULE_TENSORS = ("model_experts",)
 REGENERATE = "regenerate it with `python -m deployments.job` (which writes format 3)"
 # A message quotes a path and an excerpt or two, as `rollout.errors`' reasons do.
 MAX_MESSAGE_CHARS = 500
@@ -140,7 +142,8 @@ class RolloutDatasetWriter:
         path = self.directory / f"shard-{shard:05d}.safetensors"
         samples = batch.samples
         tensors = {name: torch.stack([getattr(s, name) for s in samples]) for name in PER_SAMPLE_TENSORS}
-        tensors.update({f"schedule.{name}": getattr(batch.schedule, name) for name in SCHEDULE_TENSORS})
+        schedule = {name: getattr(batch.schedule, name) for name in SCHEDULE_TENSORS}
+        tensors.update({f"schedule.{name}": t for name, t in schedule.items() if t is not None})
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
         # Cloned: safetensors refuses tensors that share memory (a schedule's may).
         save_file({name: t.contiguous().clone() for name, t in tensors.items()}, partial)
@@ -374,8 +377,9 @@ def _check_tensors(path: Path, tensors: dict[str, torch.Tensor], names: Iterable
 
 
 def _stored_schedule(path: Path, tensors: dict[str, torch.Tensor]) -> ScheduleSnapshot:
-    _check_tensors(path, tensors, [f"schedule.{name}" for name in SCHEDULE_TENSORS])
-    return ScheduleSnapshot(**{name: tensors[f"schedule.{name}"] for name in SCHEDULE_TENSORS})
+    required = [name for name in SCHEDULE_TENSORS if name not in OPTIONAL_SCHEDULE_TENSORS]
+    _check_tensors(path, tensors, [f"schedule.{name}" for name in required])
+    return ScheduleSnapshot(**{name: tensors[f"schedule.{name}"] for name in SCHEDULE_TENSORS if f"schedule.{name}" in tensors})
 
 
 def _proven_format_1_schedule(

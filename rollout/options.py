@@ -18,11 +18,14 @@ class SamplingOptions:
 
     Attributes:
         num_inference_steps: T, the number of denoising steps.
-        height, width: image size in pixels; None takes the model's default.
+        height, width: image (or frame) size in pixels; None takes the model's default.
+        num_frames: frames per sample, 1 for an image; None takes the model's default.
         guidance_scale: the model's guidance scale (classifier-free guidance, or the distilled
             guidance of a guidance-distilled model); None takes the model's default.
         true_cfg_scale: the classifier-free guidance weight of models that separate it from a
             distilled guidance (SGLang's and diffusers' field); each model says how it uses it.
+        guidance_scale_2: the low-noise expert's guidance scale of a two-expert model (Wan2.2's
+            `guidance_scale_2`); None takes `guidance_scale`.
         sde_type: the transition used on SDE steps.
         noise_level: eta, the noise level of the SDE/CPS transitions.
         log_prob_form: what the per-step log-probs hold (`LogProbForm`).
@@ -37,8 +40,10 @@ class SamplingOptions:
     num_inference_steps: int = 20
     height: int | None = None
     width: int | None = None
+    num_frames: int | None = None
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
+    guidance_scale_2: float | None = None
     sde_type: TransitionKind = TransitionKind.SDE
     noise_level: float = 0.7
     log_prob_form: LogProbForm = LogProbForm.GAUSSIAN
@@ -51,7 +56,7 @@ class SamplingOptions:
         steps = self.num_inference_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1, got {steps!r}")
-        for field, value in (("height", self.height), ("width", self.width)):
+        for field, value in (("height", self.height), ("width", self.width), ("num_frames", self.num_frames)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InvalidRequestError(field, f"must be a positive integer, got {short_repr(value)}")
         object.__setattr__(self, "sde_type", _as_enum(TransitionKind, self.sde_type, "rollout_sde_type"))
@@ -61,7 +66,7 @@ class SamplingOptions:
             raise InvalidRequestError(
                 "rollout_noise_level", f"must be <= 1 for cps (std = sigma_next * sin(eta * pi / 2)), got {eta!r}"
             )
-        for field in ("guidance_scale", "true_cfg_scale"):
+        for field in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
             if getattr(self, field) is not None:
                 _check_finite_non_negative(field, getattr(self, field))
         object.__setattr__(
@@ -82,6 +87,18 @@ class SamplingOptions:
         if self.return_step_indices is None:
             return tuple(range(self.num_inference_steps + 1))
         return self.return_step_indices
+
+    def kept_bytes_per_sample(self, latent_shape: tuple[int, ...]) -> int:
+        """Bytes of the fp32 tensors one sample returns: its kept latents, its log-probs, the debug
+        tensors when asked (a velocity, a mean and a noise per step, and the noise stds), and its
+        output, counted as RGB frames of the options' size. From the options (model defaults filled
+        in) and the latent shape alone, so a request too large to return is refused before it is
+        sampled; `denoising_env`, the text's size, is left out."""
+        latent, steps = math.prod(latent_shape), self.num_inference_steps
+        elements = len(self.kept_latent_steps()) * latent + steps + 3 * self.num_frames * self.height * self.width
+        if self.debug:
+            elements += 3 * steps * latent + steps
+        return 4 * elements
 
 
 def _check_finite_non_negative(field: str, value) -> float:

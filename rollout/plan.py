@@ -40,6 +40,15 @@ class RequestLimits(BaseModel):
         2.0, gt=0, description="Largest `rollout_noise_level` (Flow-GRPO uses 0.7; cps takes at most 1 anyway)."
     )
     max_image_size: int = Field(4096, ge=1, description="Largest `height` and `width`, in pixels.")
+    max_num_frames: int = Field(257, ge=1, description="Largest `num_frames` of a video model.")
+    # A 480x832, 81-frame Wan video keeps 8.4 MB per latent: its whole 50-step trajectory with the
+    # debug tensors is 1.7 GB a sample. The ingress holds a response whole before it sends it.
+    max_response_bytes: int = Field(
+        4 * 2**30,
+        ge=1,
+        description="Largest total of the tensors a request returns (latents kept, debug tensors, outputs), "
+        "computed from its fields and the model before it is sampled.",
+    )
 
     @model_validator(mode="after")
     def _default_steps_within_the_limit(self) -> "RequestLimits":
@@ -67,6 +76,8 @@ class SamplingWork:
         branching: the request's tree (`rollout.tree`); its samples are whole roots' leaves.
         weight_version: the weights the request requires; None: whichever are served.
         deadline: `time.time()` past which the work is not worth sampling.
+        request_samples: the samples of the whole request this work is part of (what its response
+            holds); None: the work's own.
         companions_in_flight: the other samples the ingress that sent this work had in flight when
             it sent it (admitted and not answered: on any worker replica, or still being routed;
             its own request's other chunks included). 0: no other work of that ingress can be on
@@ -81,9 +92,24 @@ class SamplingWork:
     deadline: float | None = None
     companions_in_flight: int | None = None
     branching: Branching = Branching()
+    request_samples: int | None = None
 
     def __len__(self) -> int:
         return len(self.seeds)
+
+    def check_response_size(self, latent_shape: tuple[int, ...], limits: "RequestLimits") -> None:
+        """Raises `InvalidRequestError` if the whole request's response would hold more than
+        `limits.max_response_bytes` of tensors (`options` with the model's defaults filled in)."""
+        per_sample = self.options.kept_bytes_per_sample(latent_shape)
+        total = per_sample * (len(self) if self.request_samples is None else self.request_samples)
+        if total > limits.max_response_bytes:
+            raise InvalidRequestError(
+                "rollout_return_step_indices",
+                f"the response would hold {total / 2**20:.0f} MiB of tensors ({per_sample / 2**20:.1f} MiB a sample), "
+                f"past limits.max_response_bytes ({limits.max_response_bytes / 2**20:.0f} MiB): keep fewer latents "
+                "(rollout_return_step_indices, rollout_sde_step_indices), set rollout_debug_mode: false, or ask for "
+                "fewer samples",
+            )
 
     def roots(self) -> list[TreeRoot]:
         return roots_of(self.prompts, self.negative_prompts, self.seeds, self.branching)
@@ -135,6 +161,7 @@ class RolloutPlan:
                 self.request.weight_version,
                 deadline,
                 branching=self.branching,
+                request_samples=self.num_samples,
             )
             for start in range(0, self.num_samples, chunk_size)
         ]
@@ -162,7 +189,7 @@ def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str
     if steps > limits.max_inference_steps:
         raise InvalidRequestError("num_inference_steps", f"at most {limits.max_inference_steps}, got {steps}")
     _check_value_limits(request, limits, steps)
-    _check_image_model_fields(request)
+    _check_input_fields(request)
     negative_prompts = _negative_prompt_per_prompt(request, len(prompts))
     seed = secrets.randbelow(2**31) if request.seed is None else check_seed(request.seed)
     if seed + num_samples - 1 > MAX_SEED:
@@ -219,8 +246,10 @@ def _sampling_options(request: RolloutRequest, steps: int) -> SamplingOptions:
         num_inference_steps=steps,
         height=request.height,
         width=request.width,
+        num_frames=request.num_frames,
         guidance_scale=request.guidance_scale,
         true_cfg_scale=request.true_cfg_scale,
+        guidance_scale_2=request.guidance_scale_2,
     )
     if not request.rollout:  # evaluation: the deterministic sampler, images only
         return SamplingOptions(**common, sde_type=TransitionKind.ODE, return_step_indices=())
@@ -252,6 +281,8 @@ def _sampling_options(request: RolloutRequest, steps: int) -> SamplingOptions:
 _UPPER_LIMITS = {
     "guidance_scale": "max_guidance_scale",
     "true_cfg_scale": "max_guidance_scale",
+    "guidance_scale_2": "max_guidance_scale",
+    "num_frames": "max_num_frames",
     "rollout_noise_level": "max_noise_level",
     "height": "max_image_size",
     "width": "max_image_size",
@@ -281,12 +312,9 @@ def _check_value_limits(request: RolloutRequest, limits: RequestLimits, steps: i
             )
 
 
-def _check_image_model_fields(request: RolloutRequest) -> None:
-    """SGLang's video and image-input fields, which every model served here (text-to-image) refuses."""
-    if request.num_frames is not None and request.num_frames != 1:
-        raise InvalidRequestError(
-            "num_frames", f"the served model generates images: must be 1, got {request.num_frames}"
-        )
+def _check_input_fields(request: RolloutRequest) -> None:
+    """SGLang's frame rate and image-input fields: every model served here is text-to-image or
+    text-to-video. (A frame count is checked by the model: `RolloutPipeline.latent_shape`.)"""
     if request.fps is not None and request.fps < 1:
         raise InvalidRequestError("fps", f"must be a positive integer, got {request.fps}")
     if request.image_path:

@@ -94,6 +94,12 @@ def transition_log_probs(
     not_replayable = [step for step in steps if step not in position or step + 1 not in position]
     if not_replayable:
         raise InvalidRequestError("steps", f"steps {not_replayable} lack x_i or x_(i+1) among the kept latents")
+    if len(pipeline.experts) > 1 and schedule.model_experts is None:
+        raise InvalidRequestError(
+            "model_experts",
+            f"the schedule does not say which of {list(pipeline.experts)} ran each step; replay needs the "
+            "rollout's own schedule (dit_trajectory's model_experts), never one rebuilt without it",
+        )
     device = pipeline.device
     latents = torch.stack([s.latents for s in samples]).to(device)  # (N, K, ...)
     sigmas = schedule.sigmas.to(device)
@@ -104,7 +110,8 @@ def transition_log_probs(
     for step in steps:
         x_t = latents[:, position[step]]
         x_next = latents[:, position[step + 1]]
-        v = predict_velocity(pipeline, x_t, schedule.model_timesteps[step], padded_conditioning, options)
+        timestep, expert = schedule.model_timesteps[step], schedule.expert_at(step)
+        v = predict_velocity(pipeline, x_t, timestep, padded_conditioning, options, expert)
         transition = take_step(
             options.transition_at(step),
             x_t,

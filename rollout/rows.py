@@ -19,6 +19,8 @@ from rollout.trajectory import RolloutBatch, SampleTrajectory
 
 # `dit_trajectory` key -> the `ScheduleSnapshot` field it holds, whole and unfiltered.
 SCHEDULE_KEYS = {"sigmas": "sigmas", "scheduler_timesteps": "timesteps", "model_timesteps": "model_timesteps"}
+# Held only by a model with several denoisers (`ScheduleSnapshot.model_experts`).
+EXPERTS_KEY = "model_experts"
 
 
 def response_rows(
@@ -39,6 +41,8 @@ def response_rows(
         **{key: getattr(batch.schedule, field) for key, field in SCHEDULE_KEYS.items()},
         "latent_step_indices": kept_steps,
     }
+    if batch.schedule.model_experts is not None:
+        trajectory_labels[EXPERTS_KEY] = batch.schedule.model_experts
     return_trajectory = request.rollout and request.rollout_return_dit_trajectory
     return [
         {
@@ -75,8 +79,8 @@ def _debug_tensors(sample: SampleTrajectory) -> dict[str, torch.Tensor] | None:
 
 
 def schedule_of_row(row: dict[str, Any]) -> ScheduleSnapshot:
-    """The schedule a row's `dit_trajectory` carries, from its three tensors as they came (a trainer
-    reading rows replays with it); raises `InvalidRequestError` if any is missing, since a guessed
+    """The schedule a row's `dit_trajectory` carries, from its three tensors as they came (and a
+    two-expert model's `model_experts`; a trainer reading rows replays with it); raises `InvalidRequestError` if any is missing, since a guessed
     one (`model_timesteps` from `timesteps`, sigmas from `timesteps / 1000`) breaks the replay."""
     trajectory = row.get("dit_trajectory")
     if trajectory is None:
@@ -84,4 +88,5 @@ def schedule_of_row(row: dict[str, Any]) -> ScheduleSnapshot:
     missing = [key for key in SCHEDULE_KEYS if key not in trajectory]
     if missing:
         raise InvalidRequestError("dit_trajectory", f"lacks {missing}: the schedule cannot be taken from it")
-    return ScheduleSnapshot(**{field: trajectory[key] for key, field in SCHEDULE_KEYS.items()})
+    experts = {"model_experts": trajectory[EXPERTS_KEY]} if EXPERTS_KEY in trajectory else {}
+    return ScheduleSnapshot(**{field: trajectory[key] for key, field in SCHEDULE_KEYS.items()}, **experts)

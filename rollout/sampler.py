@@ -48,6 +48,7 @@ def resolve_options(pipeline: RolloutPipeline, options: SamplingOptions) -> Samp
         options,
         height=pipeline.default_height if options.height is None else options.height,
         width=pipeline.default_width if options.width is None else options.width,
+        num_frames=pipeline.default_num_frames if options.num_frames is None else options.num_frames,
         guidance_scale=pipeline.default_guidance_scale if options.guidance_scale is None else options.guidance_scale,
     )
 
@@ -83,6 +84,7 @@ def predict_velocity(
     timestep: torch.Tensor,
     padded_conditioning: BucketedConditioning,
     options: SamplingOptions,
+    expert: int,
 ) -> torch.Tensor:
     """The pipeline's velocity for `(B, ...)` latents, computed in the pipeline's micro-batches
     (`MicroBatching.calls`), each of rows of one conditioning bucket.
@@ -90,6 +92,7 @@ def predict_velocity(
     Args:
         timestep: `()` the transformer's time input at this step (`model_timesteps[step]`),
             the same for every row.
+        expert: the denoiser of this step (`ScheduleSnapshot.expert_at`).
         padded_conditioning: the batch's conditioning after `pad_buckets`, on any device.
         options: the request's options, with the model's defaults filled in.
     """
@@ -110,6 +113,7 @@ def predict_velocity(
                     timestep.expand(call.stop - call.start),
                     bucket.conditioning.rows(call).map(lambda t: t.to(device)),
                     options,
+                    expert,
                 )
                 for call in calls
             ]
@@ -240,7 +244,7 @@ def sample_tree(
         check_seed(root.seed)
         check_seed(root.seed + max(root.branching.leaves_per_root - 1, 0))
         root.branching.check(options)
-    latent_shape = pipeline.latent_shape(options.height, options.width)
+    latent_shape = pipeline.latent_shape(options.height, options.width, options.num_frames)
     device = pipeline.device
     num_steps = options.num_inference_steps
     root_paths = [root.leaf_paths() for root in roots]
@@ -287,7 +291,8 @@ def sample_tree(
     x_t = _draw_noise([node.generator for node in nodes], latent_shape, device)
     _keep(epoch, 0, x_t)
     for step in range(num_steps):
-        v = predict_velocity(pipeline, x_t, schedule.model_timesteps[step], padded_conditioning, options)
+        timestep, expert = schedule.model_timesteps[step], schedule.expert_at(step)
+        v = predict_velocity(pipeline, x_t, timestep, padded_conditioning, options, expert)
         transformer_rows += sum(len(bucket.conditioning) for bucket in padded_conditioning.buckets)
         if step in branch_steps:  # the velocity was computed once per node; its children share it
             nodes, parent = _branch(roots, epoch.nodes, step)

@@ -39,11 +39,15 @@ class ScheduleSnapshot:
             1000). Replay feeds these, so the transformer sees what it saw in the rollout.
             Always given, never defaulted: for FLUX.1 it is `timesteps / 1000`, and a snapshot
             rebuilt with `timesteps` in its place replays with a time input 1000x too large.
+        model_experts: `(T,)` int64 for a model with several denoisers (Wan2.2-A14B's high- and
+            low-noise experts): at each step, the index into the pipeline's `experts` of the one
+            that ran, so replay calls the same one. None for a model with one denoiser.
     """
 
     sigmas: torch.Tensor
     timesteps: torch.Tensor
     model_timesteps: torch.Tensor
+    model_experts: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.sigmas.dtype != torch.float32:
@@ -57,6 +61,12 @@ class ScheduleSnapshot:
             raise ValueError(
                 f"model_timesteps must be float32 of the shape of timesteps {tuple(self.timesteps.shape)}, "
                 f"got {self.model_timesteps.dtype} {tuple(self.model_timesteps.shape)}"
+            )
+        experts = self.model_experts
+        if experts is not None and (experts.shape != self.timesteps.shape or experts.dtype != torch.int64):
+            raise ValueError(
+                f"model_experts must be int64 of the shape of timesteps {tuple(self.timesteps.shape)}, "
+                f"got {experts.dtype} {tuple(experts.shape)}"
             )
 
     @property
@@ -98,6 +108,10 @@ class ScheduleSnapshot:
             model_timesteps=model_timesteps(timesteps).float().clone(),  # its own tensor, even where it equals timesteps
         )
 
+    def expert_at(self, step: int) -> int:
+        """The denoiser that runs step `step` (`model_experts`; 0, the only one, where there are none)."""
+        return 0 if self.model_experts is None else int(self.model_experts[step])
+
     def latent_timesteps(self, latent_step_indices: torch.Tensor) -> torch.Tensor:
         """The time label of each kept latent `x_k`, shape `(K,)`: `timesteps[k]`, and 0 for the final `x_T`.
 
@@ -115,4 +129,6 @@ class ScheduleSnapshot:
             and torch.equal(self.sigmas, other.sigmas)
             and torch.equal(self.timesteps, other.timesteps)
             and torch.equal(self.model_timesteps, other.model_timesteps)
+            and (self.model_experts is None) == (other.model_experts is None)
+            and (self.model_experts is None or torch.equal(self.model_experts, other.model_experts))
         )

@@ -56,8 +56,10 @@ class RolloutRequest(BaseModel):
     num_outputs_per_prompt: int | None = Field(None, description="Samples per prompt. Default: 1.")
     guidance_scale: float | None = Field(None, description="The model's guidance scale. Default: the model's.")
     true_cfg_scale: float | None = Field(None, description="Classifier-free guidance weight, where the model has one.")
-    num_frames: int | None = Field(None, description="Frames per sample: image models take only 1.")
-    fps: int | None = Field(None, description="Frame rate of video models; image models ignore it.")
+    num_frames: int | None = Field(
+        None, description="Frames per sample of a video model (Wan: 4k + 1); image models take only 1. Default: the model's."
+    )
+    fps: int | None = Field(None, description="Frame rate of video models, for the videos written; image models ignore it.")
     rollout: bool = Field(True, description="False: evaluation, images only, from the deterministic ODE sampler.")
     rollout_sde_type: str = Field("sde", description="Transition of the stochastic steps: sde, cps or ode.")
     rollout_noise_level: float = Field(0.7, description="eta, the noise level.")
@@ -91,6 +93,11 @@ class RolloutRequest(BaseModel):
         None,
         description="(extension) Children per node at each branch step, each >= 2; num_outputs_per_prompt is a "
         "multiple of their product (the roots per prompt).",
+    )
+    guidance_scale_2: float | None = Field(
+        None,
+        description="(extension, as in miles' extra_sampling_params) The low-noise expert's guidance scale of a "
+        "two-expert model (Wan2.2-A14B). Default: guidance_scale.",
     )
     rollout_timeout_s: float | None = Field(
         None,

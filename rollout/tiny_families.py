@@ -19,6 +19,7 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLQwenImage,
+    AutoencoderKLWan,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -26,6 +27,9 @@ from diffusers import (
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
 )
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import (
@@ -39,6 +43,8 @@ from transformers import (
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 _SEED = 0
@@ -86,6 +92,25 @@ _QWEN_LATENTS_MEAN = [
 _QWEN_LATENTS_STD = [
     2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+]  # fmt: skip
+
+# The Wan2.2 VAE's (TI2V-5B: 48 latent channels, spatial factor 16) per-channel statistics, as
+# diffusers' conversion script writes them.
+_WAN22_LATENTS_MEAN = [
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
+    -0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825,
+    -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230,
+    -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748,
+    0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+]  # fmt: skip
+_WAN22_LATENTS_STD = [
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013,
+    0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978,
+    0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093,
+    0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
+    0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
 ]  # fmt: skip
 
 
@@ -203,9 +228,12 @@ def _clip_text_encoder(
     return model_class(config)
 
 
-def _t5_encoder(tokenizer: T5TokenizerFast, d_model: int) -> T5EncoderModel:
+def _t5_encoder(tokenizer: T5TokenizerFast, d_model: int, umt5: bool = False) -> T5EncoderModel | UMT5EncoderModel:
+    """A T5 v1.1 encoder (SD3's and FLUX's), or with `umt5` Wan's UMT5 (the same layout with a
+    relative attention bias in every layer)."""
     torch.manual_seed(_SEED)
-    config = T5Config(
+    config_class, model_class = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    config = config_class(
         vocab_size=len(tokenizer),
         d_model=d_model,
         d_kv=16,
@@ -218,7 +246,7 @@ def _t5_encoder(tokenizer: T5TokenizerFast, d_model: int) -> T5EncoderModel:
         eos_token_id=tokenizer.eos_token_id,
         decoder_start_token_id=tokenizer.pad_token_id,
     )
-    return T5EncoderModel(config)
+    return model_class(config)
 
 
 def _vae(scaling_factor: float, shift_factor: float) -> AutoencoderKL:
@@ -413,4 +441,126 @@ def build_tiny_qwenimage(path: Path, transformer_heads: int = 2) -> Path:
     return path
 
 
+def _wan_transformer(text_dim: int, channels: int, heads: int) -> WanTransformer3DModel:
+    """Wan's DiT layout (patch (1, 2, 2), RMS qk-norm across heads, cross-attention norm) with two
+    tiny layers; head dim 16 splits into 8 temporal and 4 + 4 spatial rotary frequencies."""
+    torch.manual_seed(_SEED)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=16,
+        in_channels=channels,
+        out_channels=channels,
+        text_dim=text_dim,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=1024,
+    )
+
+
+def _wan_scheduler(flow_shift: float) -> UniPCMultistepScheduler:
+    # As diffusers' conversion script writes every Wan checkpoint's scheduler.
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=flow_shift
+    )
+
+
+def _wan21_vae() -> AutoencoderKLWan:
+    """Wan2.1's VAE layout (16 channels, 4x temporal and 8x spatial compression, causal 3D convs)
+    with tiny widths."""
+    torch.manual_seed(_SEED)
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=_LATENT_CHANNELS,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=_QWEN_LATENTS_MEAN,
+        latents_std=_QWEN_LATENTS_STD,
+    )
+
+
+def build_tiny_wan21(path: Path, transformer_heads: int = 2) -> Path:
+    """Save a tiny Wan2.1-T2V-like `WanPipeline` to `path` and return `path`.
+
+    A UMT5 text encoder of width 32 with the T5-style tokenizer, one `WanTransformer3DModel`
+    (16 latent channels), Wan2.1's `AutoencoderKLWan` layout and statistics, and the published
+    scheduler: UniPC multistep on flow sigmas, `flow_shift` 3.0.
+    """
+    tokenizer = _t5_tokenizer()
+    text_encoder = _t5_encoder(tokenizer, d_model=32, umt5=True)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=_wan21_vae(),
+        scheduler=_wan_scheduler(flow_shift=3.0),
+        transformer=_wan_transformer(text_encoder.config.d_model, _LATENT_CHANNELS, transformer_heads),
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
+def build_tiny_wan22_a14b(path: Path, transformer_heads: int = 2) -> Path:
+    """Save a tiny Wan2.2-T2V-A14B-like `WanPipeline`: two experts, `transformer` for the high-noise
+    steps and `transformer_2` (other weights) for the rest, switching at `boundary_ratio` 0.875, on
+    Wan2.1's VAE; scheduler `flow_shift` 3.0."""
+    tokenizer = _t5_tokenizer()
+    text_encoder = _t5_encoder(tokenizer, d_model=32, umt5=True)
+    high_noise = _wan_transformer(text_encoder.config.d_model, _LATENT_CHANNELS, transformer_heads)
+    torch.manual_seed(_SEED + 1)
+    low_noise = WanTransformer3DModel.from_config(high_noise.config)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=_wan21_vae(),
+        scheduler=_wan_scheduler(flow_shift=3.0),
+        transformer=high_noise,
+        transformer_2=low_noise,
+        boundary_ratio=0.875,
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
+def build_tiny_wan22_ti2v(path: Path, transformer_heads: int = 2) -> Path:
+    """Save a tiny Wan2.2-TI2V-5B-like `WanPipeline`: one transformer on 48 latent channels with a
+    time input per token (`expand_timesteps`), and the Wan2.2 VAE layout (residual blocks, 2x2
+    patchified pixels, 16x spatial compression, its 48 channel statistics); scheduler `flow_shift` 5.0."""
+    tokenizer = _t5_tokenizer()
+    text_encoder = _t5_encoder(tokenizer, d_model=32, umt5=True)
+    torch.manual_seed(_SEED)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        decoder_base_dim=8,
+        z_dim=len(_WAN22_LATENTS_MEAN),
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=_WAN22_LATENTS_MEAN,
+        latents_std=_WAN22_LATENTS_STD,
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_temporal=4,
+        scale_factor_spatial=16,
+    )
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=_wan_scheduler(flow_shift=5.0),
+        transformer=_wan_transformer(text_encoder.config.d_model, vae.config.z_dim, transformer_heads),
+        expand_timesteps=True,
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
 FAMILY_BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "qwenimage": build_tiny_qwenimage}
+# The video layouts, all served by the `wan` family.
+VIDEO_BUILDERS = {"wan21": build_tiny_wan21, "wan22_a14b": build_tiny_wan22_a14b, "wan22_ti2v": build_tiny_wan22_ti2v}

@@ -44,6 +44,16 @@ def tiny_family_dirs(tmp_path_factory) -> dict:
     return {name: build(root / name) for name, build in FAMILY_BUILDERS.items()}
 
 
+@pytest.fixture(scope="session")
+def tiny_video_dirs(tmp_path_factory) -> dict:
+    """Layout name -> a tiny random-weight Wan2.1-T2V, Wan2.2-T2V-A14B or Wan2.2-TI2V-5B copy,
+    saved as a diffusers directory (`rollout/tiny_families.py`)."""
+    from rollout.tiny_families import VIDEO_BUILDERS
+
+    root = tmp_path_factory.mktemp("video_families")
+    return {name: build(root / name) for name, build in VIDEO_BUILDERS.items()}
+
+
 def pytest_collection_modifyitems(items):
     """The README test first: it runs the README's commands against `make serve` as on a reader's
     machine, with the only Ray cluster there is (two local clusters share Ray's fixed dashboard-agent

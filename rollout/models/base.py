@@ -216,6 +216,18 @@ def batched_cfg_velocity(
     return v_uncond + scale * (v_cond - v_uncond)
 
 
+def check_image_frames(num_frames: int, model: str) -> None:
+    """Raises `InvalidRequestError` naming ``num_frames`` unless it is 1: what an image model makes."""
+    if num_frames != 1:
+        raise InvalidRequestError("num_frames", f"model {model!r} generates images: must be 1, got {num_frames}")
+
+
+def check_single_denoiser(expert: int) -> None:
+    """A model with one denoiser runs every step with it: expert 0."""
+    if expert != 0:
+        raise ValueError(f"the model has one denoiser (expert 0), not expert {expert}")
+
+
 def zero_padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """`tensor` with zero rows appended up to `rows` rows: the padding of fixed-size calls, whose
     results for the padded rows are dropped."""
@@ -345,7 +357,11 @@ class RolloutPipeline(Protocol):
     default_guidance_scale: float
     default_height: int
     default_width: int
+    default_num_frames: int  # 1 for an image model
     micro_batching: MicroBatching
+    # The denoisers' `weight_modules` names, in the order `ScheduleSnapshot.model_experts` indexes
+    # them: ("transformer",) for a model with one.
+    experts: tuple[str, ...]
 
     @property
     def device(self) -> torch.device: ...
@@ -361,11 +377,13 @@ class RolloutPipeline(Protocol):
         """The sizes the model can make, derived from the model itself (what `latent_shape` checks)."""
         ...
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """Shape of one sample's latents for an image of `height` x `width` pixels.
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        """Shape of one sample's latents for an image (or `num_frames` frames) of `height` x `width`
+        pixels: `(C, H', W')` for an image model, `(C, F', H', W')` for a video model.
 
         Raises `InvalidRequestError` naming ``height``/``width`` when the model cannot produce it
-        (outside `image_size_limits`).
+        (outside `image_size_limits`), or ``num_frames`` for a frame count it cannot make (any
+        but 1 on an image model).
         """
         ...
 
@@ -393,7 +411,12 @@ class RolloutPipeline(Protocol):
         ...
 
     def predict_velocity(
-        self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, options: SamplingOptions
+        self,
+        x_t: torch.Tensor,
+        timestep: torch.Tensor,
+        conditioning: Conditioning,
+        options: SamplingOptions,
+        expert: int = 0,
     ) -> torch.Tensor:
         """Velocity `v` such that `x_{t+dt} = x_t + dt * v` is the Euler (ODE) step.
 
@@ -404,7 +427,8 @@ class RolloutPipeline(Protocol):
             conditioning: `B` rows of one bucket of what `encode_prompts` made for the same
                 `options`.
             options: the request's options with the model's defaults filled in; the model reads
-                its guidance from them (`guidance_scale`, `true_cfg_scale`).
+                its guidance from them (`guidance_scale`, `true_cfg_scale`, `guidance_scale_2`).
+            expert: which of `experts` runs (`ScheduleSnapshot.expert_at(step)`).
 
         Returns:
             fp32 tensor of the shape of `x_t`, guidance already applied.
@@ -412,8 +436,9 @@ class RolloutPipeline(Protocol):
         ...
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images of shape `(B, C, H, W)`, fp32 in [0, 1], from latents of shape `(B, *latent_shape)`.
+        """Images of shape `(B, C, H, W)` (videos: `(B, C, F, H, W)`, SGLang's layout), fp32 in
+        [0, 1], from latents of shape `(B, *latent_shape)`.
 
         Each image must not depend on the others in the batch: decode in the calls of
-        `micro_batching.decode_calls`."""
+        `micro_batching.decode_calls` (a video alone)."""
         ...

@@ -29,7 +29,15 @@ import torch
 from torch import nn
 
 from rollout.errors import ModelLoadError, UnknownPromptError
-from rollout.models.base import BucketedConditioning, Conditioning, ImageSizeLimits, MicroBatching, zero_padded
+from rollout.models.base import (
+    BucketedConditioning,
+    Conditioning,
+    ImageSizeLimits,
+    MicroBatching,
+    check_image_frames,
+    check_single_denoiser,
+    zero_padded,
+)
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
@@ -71,6 +79,7 @@ class DiffusersFamily:
     default_guidance_scale: ClassVar[float]
     default_max_sequence_length: ClassVar[int]
     default_micro_batch_size: ClassVar[int] = 4
+    default_num_frames: ClassVar[int] = 1  # an image
 
     def __init__(
         self, pipe: Any, micro_batching: MicroBatching | None = None, max_sequence_length: int | None = None
@@ -84,8 +93,20 @@ class DiffusersFamily:
                 module.eval().requires_grad_(False)
         self.micro_batching = micro_batching or MicroBatching(self.default_micro_batch_size)
         self.max_sequence_length = max_sequence_length or self.default_max_sequence_length
-        self.vae_scale_factor = pipe.vae_scale_factor
-        self.default_height = self.default_width = pipe.default_sample_size * pipe.vae_scale_factor
+        self.vae_scale_factor = self.spatial_scale_factor(pipe)
+        self.default_height, self.default_width = self.default_size(pipe)
+        self.experts = tuple(name for name in ("transformer", "transformer_2") if getattr(pipe, name, None) is not None)
+
+    @classmethod
+    def spatial_scale_factor(cls, pipe: Any) -> int:
+        """Pixels a side of one latent pixel."""
+        return pipe.vae_scale_factor
+
+    @classmethod
+    def default_size(cls, pipe: Any) -> tuple[int, int]:
+        """`(height, width)` of the pipeline's `__call__` when given none."""
+        size = pipe.default_sample_size * pipe.vae_scale_factor
+        return size, size
 
     @classmethod
     def from_pretrained(
@@ -125,10 +146,10 @@ class DiffusersFamily:
 
     @property
     def weight_modules(self) -> dict[str, nn.Module]:
-        # The denoiser is the policy RL trains; the text encoders and the VAE stay frozen (as in
+        # The denoisers are the policy RL trains; the text encoders and the VAE stay frozen (as in
         # Flow-GRPO and DanceGRPO), and transformers' checkpoints of them (tied embeddings,
         # renamed keys) do not map one to one onto their state dicts.
-        return {"transformer": self.transformer}
+        return {name: getattr(self.pipe, name) for name in self.experts}
 
     # Sizes and schedule ------------------------------------------------------------------------
 
@@ -149,7 +170,8 @@ class DiffusersFamily:
         # table of positions bound it too.
         return ImageSizeLimits(multiple=self.vae_scale_factor * self.patch_size)
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        check_image_frames(num_frames, self.name)
         self.image_size_limits.check(height, width, self.name)
         return (self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
 
@@ -245,9 +267,14 @@ class DiffusersFamily:
 
     # Model calls -------------------------------------------------------------------------------
 
-    def run_transformer(self, hidden_states: torch.Tensor, timestep: torch.Tensor, **kwargs) -> torch.Tensor:
-        """The transformer's output in fp32, its inputs cast to the weights' dtype."""
-        output = self.transformer(hidden_states=hidden_states.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)
+    def run_transformer(
+        self, hidden_states: torch.Tensor, timestep: torch.Tensor, expert: int = 0, **kwargs
+    ) -> torch.Tensor:
+        """Denoiser `experts[expert]`'s output in fp32, its inputs cast to the weights' dtype."""
+        if not 0 <= expert < len(self.experts):
+            raise ValueError(f"model {self.name!r} has the denoisers {list(self.experts)}, not expert {expert}")
+        denoiser = getattr(self.pipe, self.experts[expert])
+        output = denoiser(hidden_states=hidden_states.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)
         return output[0].float()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -306,8 +333,14 @@ class PackedLatentFamily(DiffusersFamily):
         return options.true_cfg_scale is not None and options.true_cfg_scale > 1
 
     def predict_velocity(
-        self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, options: SamplingOptions
+        self,
+        x_t: torch.Tensor,
+        timestep: torch.Tensor,
+        conditioning: Conditioning,
+        options: SamplingOptions,
+        expert: int = 0,
     ) -> torch.Tensor:
+        check_single_denoiser(expert)
         tokens = self.pack(x_t)
         inputs = self.transformer_inputs(conditioning)
         velocity = self.run_transformer(tokens, timestep, **inputs(conditioning.pos_cond_kwargs))

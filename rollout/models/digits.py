@@ -27,6 +27,8 @@ from rollout.models.base import (
     MicroBatching,
     batched_cfg_velocity,
     cfg_scale,
+    check_image_frames,
+    check_single_denoiser,
 )
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
@@ -129,6 +131,8 @@ class DigitFlowPipeline:
         self.micro_batching = MicroBatching(micro_batch_size)
         self.default_height = IMAGE_SIZE
         self.default_width = IMAGE_SIZE
+        self.default_num_frames = 1
+        self.experts = ("transformer",)
 
     @property
     def device(self) -> torch.device:
@@ -195,7 +199,8 @@ class DigitFlowPipeline:
             multiple=IMAGE_SIZE, max_size=IMAGE_SIZE, bound_by=f"it is trained on {IMAGE_SIZE}x{IMAGE_SIZE} digits only"
         )
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        check_image_frames(num_frames, self.name)
         for field, value in (("height", height), ("width", width)):
             if value != IMAGE_SIZE:
                 raise InvalidRequestError(
@@ -229,8 +234,14 @@ class DigitFlowPipeline:
         return {"encoder_hidden_states": prompt_embeds, "pooled_projections": pooled}
 
     def predict_velocity(
-        self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, options: SamplingOptions
+        self,
+        x_t: torch.Tensor,
+        timestep: torch.Tensor,
+        conditioning: Conditioning,
+        options: SamplingOptions,
+        expert: int = 0,
     ) -> torch.Tensor:
+        check_single_denoiser(expert)
         scale = cfg_scale(options)
         if scale == 1.0:
             return self._velocity(x_t, timestep, conditioning.pos_cond_kwargs)

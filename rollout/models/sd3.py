@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rollout.models.base import Conditioning, ImageSizeLimits, batched_cfg_velocity, cfg_scale
+from rollout.models.base import Conditioning, ImageSizeLimits, batched_cfg_velocity, cfg_scale, check_single_denoiser
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 
@@ -66,8 +66,14 @@ class StableDiffusion3Family(DiffusersFamily):
         return cfg_scale(options) > 1
 
     def predict_velocity(
-        self, x_t: torch.Tensor, timestep: torch.Tensor, conditioning: Conditioning, options: SamplingOptions
+        self,
+        x_t: torch.Tensor,
+        timestep: torch.Tensor,
+        conditioning: Conditioning,
+        options: SamplingOptions,
+        expert: int = 0,
     ) -> torch.Tensor:
+        check_single_denoiser(expert)
         if not self.uses_negative_branch(options):
             return self.run_transformer(x_t, timestep, **conditioning.pos_cond_kwargs)
         return batched_cfg_velocity(

@@ -1,0 +1,170 @@
+"""Wan2.1 and Wan2.2 text-to-video (`WanPipeline`), in its three layouts:
+
+- Wan2.1-T2V: one transformer on 16 latent channels, VAE 4x in time and 8x in space;
+- Wan2.2-TI2V-5B: one transformer on 48 channels with a time input per token
+  (`expand_timesteps`), VAE 4x in time and 16x in space;
+- Wan2.2-T2V-A14B: two experts, `transformer` for the steps whose timestep is at least
+  `boundary_ratio * 1000` (high noise) and `transformer_2` for the rest, each with its own
+  guidance scale (`guidance_scale`, `guidance_scale_2`). The expert of each step is part of the
+  schedule (`ScheduleSnapshot.model_experts`), so replay calls the same one.
+
+Schedule: Wan ships a UniPC multistep scheduler, whose step mixes several past velocities and so
+has no one-step Gaussian transition to attach an SDE log-prob to. As SGLang does for rollouts,
+this family samples with a private `FlowMatchEulerDiscreteScheduler` whose `shift` is the
+checkpoint's `flow_shift`; its ODE path is diffusers' own pipeline with
+`pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=flow_shift)` swapped in
+(`docs/real_models.md` compares it with the UniPC default).
+
+Text: UMT5's last hidden state, cut to the prompt's tokens and zero-padded to
+`max_sequence_length`, as the pipeline does; a prompt is encoded alone, so its conditioning never
+depends on its batch. CFG runs the conditional and the unconditional branch as two calls, as the
+pipeline does, and only when `guidance_scale` > 1. Latents are `(C, F', H', W')` with
+`F' = (num_frames - 1) / 4 + 1`; each video is decoded alone, so the VAE's memory does not grow
+with the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from rollout.errors import InvalidRequestError
+from rollout.models.base import Conditioning, ImageSizeLimits
+from rollout.models.diffusers_family import DiffusersFamily
+from rollout.options import SamplingOptions
+from rollout.schedule import ScheduleSnapshot
+
+
+class WanFamily(DiffusersFamily):
+    name = "wan"
+    diffusers_pipeline = "WanPipeline"
+    default_guidance_scale = 5.0  # the pipeline's
+    default_max_sequence_length = 512  # the pipeline's `__call__` default
+    # One video is already a long sequence (480x832, 81 frames: 32,760 tokens): a call of one
+    # sample costs a lone request nothing, and memory stays that of one video.
+    default_micro_batch_size = 1
+    default_num_frames = 81
+
+    def __init__(self, pipe: Any, **kwargs):
+        super().__init__(pipe, **kwargs)
+        # The checkpoint's UniPC scheduler is kept on the pipeline (and named by `/rollout/info`'s
+        # model path); sampling uses Euler on the same shifted flow (see the module docstring).
+        self.scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=pipe.scheduler.config.num_train_timesteps, shift=pipe.scheduler.config.flow_shift
+        )
+        self.frames_per_latent = pipe.vae_scale_factor_temporal
+        boundary_ratio = pipe.config.boundary_ratio
+        self.boundary_timestep = None if boundary_ratio is None else boundary_ratio * self.scheduler.config.num_train_timesteps
+        self.time_input_per_token = bool(pipe.config.expand_timesteps)
+
+    @classmethod
+    def spatial_scale_factor(cls, pipe: Any) -> int:
+        return pipe.vae_scale_factor_spatial
+
+    @classmethod
+    def default_size(cls, pipe: Any) -> tuple[int, int]:
+        return 480, 832  # the pipeline's `__call__` defaults
+
+    # Sizes and schedule ------------------------------------------------------------------------
+
+    @property
+    def patch_size(self) -> int:
+        return self.transformer.config.patch_size[1]
+
+    @property
+    def image_size_limits(self) -> ImageSizeLimits:
+        multiple = self.vae_scale_factor * self.patch_size
+        # Rotary positions are a table of `rope_max_seq_len` per axis (frames, rows, columns).
+        positions = self.transformer.config.rope_max_seq_len
+        return ImageSizeLimits(
+            multiple=multiple,
+            max_size=positions * multiple,
+            bound_by=f"its transformer's {positions} rotary positions per axis of {multiple}-pixel tokens",
+        )
+
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        self.image_size_limits.check(height, width, self.name)
+        per_latent = self.frames_per_latent
+        if (num_frames - 1) % per_latent:
+            raise InvalidRequestError(
+                "num_frames",
+                f"must be {per_latent}k + 1 for model {self.name!r} (its VAE makes {per_latent} frames of each "
+                f"latent frame after the first), got {num_frames}",
+            )
+        latent_frames = (num_frames - 1) // per_latent + 1
+        positions = self.transformer.config.rope_max_seq_len
+        if latent_frames > positions:
+            raise InvalidRequestError(
+                "num_frames",
+                f"must be at most {per_latent * (positions - 1) + 1} for model {self.name!r} (its transformer's "
+                f"{positions} rotary positions along time), got {num_frames}",
+            )
+        return (self.latent_channels, latent_frames, height // self.vae_scale_factor, width // self.vae_scale_factor)
+
+    def schedule(self, num_steps: int, height: int, width: int) -> ScheduleSnapshot:
+        snapshot = super().schedule(num_steps, height, width)
+        if self.boundary_timestep is None:
+            return snapshot
+        # The pipeline's rule, `t >= boundary` for the high-noise `transformer`, on the scheduler's own timesteps.
+        low_noise = (snapshot.timesteps < self.boundary_timestep).to(torch.int64)
+        return dataclasses.replace(snapshot, model_experts=low_noise)
+
+    # Conditioning ------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+        embeds = self.pipe._get_t5_prompt_embeds(
+            prompt=[prompt], max_sequence_length=self.max_sequence_length, device=self.device
+        )
+        return {"encoder_hidden_states": embeds.to(self.dtype)}
+
+    def uses_negative_branch(self, options: SamplingOptions) -> bool:
+        # The pipeline's `do_classifier_free_guidance`: the first scale decides for both experts.
+        return options.guidance_scale > 1
+
+    def guidance_scale_of(self, expert: int, options: SamplingOptions) -> float:
+        if expert == 1 and options.guidance_scale_2 is not None:
+            return options.guidance_scale_2
+        return options.guidance_scale
+
+    # Model calls -------------------------------------------------------------------------------
+
+    def predict_velocity(
+        self,
+        x_t: torch.Tensor,
+        timestep: torch.Tensor,
+        conditioning: Conditioning,
+        options: SamplingOptions,
+        expert: int = 0,
+    ) -> torch.Tensor:
+        if self.time_input_per_token:
+            # TI2V's time input per latent token (all equal for text-to-video), as the pipeline expands it.
+            _, frames, height, width = x_t.shape[1:]
+            tokens = frames * (height // self.patch_size) * (width // self.patch_size)
+            timestep = timestep.unsqueeze(1).expand(-1, tokens)
+        velocity = self.run_transformer(x_t, timestep, expert, **conditioning.pos_cond_kwargs)
+        if not self.uses_negative_branch(options):
+            return velocity
+        if conditioning.neg_cond_kwargs is None:
+            raise ValueError("classifier-free guidance needs the negative branch's conditioning (neg_cond_kwargs)")
+        unconditional = self.run_transformer(x_t, timestep, expert, **conditioning.neg_cond_kwargs)
+        return unconditional + self.guidance_scale_of(expert, options) * (velocity - unconditional)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Videos `(B, C, F, H, W)` in [0, 1], each decoded alone (the VAE's causal cache is per call)."""
+        config = self.vae.config
+        # The pipeline's arithmetic, literally (a division by the reciprocal std), for equal bits.
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device, self.vae.dtype)
+        inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(
+            latents.device, self.vae.dtype
+        )
+        videos = []
+        with torch.no_grad():
+            for latent in latents.to(self.vae.dtype).split(1):
+                video = self.vae.decode(latent / inverse_std + mean, return_dict=False)[0]
+                # (1, F, C, H, W) in [0, 1], as the pipeline's output, then SGLang's (1, C, F, H, W).
+                frames = self.pipe.video_processor.postprocess_video(video, output_type="pt")
+                videos.append(frames.permute(0, 2, 1, 3, 4).float())
+        return torch.cat(videos)

@@ -1,0 +1,155 @@
+"""Wan served end to end: Wan2.1-T2V and the two-expert Wan2.2-T2V-A14B, each loaded from a tiny
+diffusers directory whose family is read from its model_index.json, over HTTP (read with SGLang's
+own decoding) and the handle, against the library run locally on the same directory.
+"""
+
+import pytest
+import torch
+from ray import serve
+
+from deployments.app import build_app
+from rollout.models.base import MicroBatching
+from rollout.models.registry import load_pipeline
+from rollout.options import SamplingOptions
+from rollout.replay import replay_log_probs
+from rollout.rows import schedule_of_row
+from rollout.sampler import sample
+from tests.deployments.test_sglang_compat import generate
+
+LAYOUTS = ["wan21", "wan22_a14b"]
+TEXT_LENGTH = 16
+HEIGHT, WIDTH, FRAMES, STEPS = 32, 48, 5, 4
+
+
+@pytest.fixture(scope="module")
+def video_apps(serve_app, tiny_video_dirs):
+    """Layout -> (handle, url, local pipeline), the applications deployed side by side."""
+    _, base_url = serve_app
+    targets = []
+    for layout in LAYOUTS:
+        config = {
+            "app_name": f"video-{layout}",
+            "model": {"path": str(tiny_video_dirs[layout]), "micro_batch_size": 2, "max_sequence_length": TEXT_LENGTH},
+            "num_worker_replicas": 1,
+            "worker_num_cpus": 0.25,
+            "worker_torch_threads": 1,
+            "ingress_num_cpus": 0.1,
+            # A tiny video with its whole trajectory and debug tensors is 143 KiB here.
+            "limits": {"max_response_bytes": 2**20},
+        }
+        targets.append(serve.RunTarget(build_app(config), name=config["app_name"], route_prefix=f"/{layout}"))
+    handles = serve.run_many(targets)
+    local = {
+        layout: load_pipeline(
+            None, tiny_video_dirs[layout], device="cpu", micro_batching=MicroBatching(2), max_sequence_length=TEXT_LENGTH
+        )
+        for layout in LAYOUTS
+    }
+    yield {layout: (handle, f"{base_url}/{layout}", local[layout]) for layout, handle in zip(LAYOUTS, handles)}
+    for layout in LAYOUTS:
+        serve.delete(f"video-{layout}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_http_video_rows_are_the_librarys_in_sglangs_layout(video_apps, layout, http):
+    _, url, local = video_apps[layout]
+    body = {
+        "prompt": "a cat sitting on a red chair",
+        "negative_prompt": "blurry",
+        "num_outputs_per_prompt": 2,
+        "num_inference_steps": STEPS,
+        "height": HEIGHT,
+        "width": WIDTH,
+        "num_frames": FRAMES,
+        "fps": 8,
+        "guidance_scale": 3.0,
+        "seed": 21,
+        "rollout_return_dit_trajectory": True,
+        # As miles sends Wan2.2's second scale.
+        "extra_sampling_params": {"guidance_scale_2": 2.0},
+    }
+    rows = generate(http, url, body)  # decoded as SGLang decodes a response
+
+    options = SamplingOptions(
+        num_inference_steps=STEPS, height=HEIGHT, width=WIDTH, num_frames=FRAMES, guidance_scale=3.0,
+        guidance_scale_2=2.0, debug=True,
+    )  # fmt: skip
+    expected = sample(local, ["a cat sitting on a red chair"] * 2, [21, 22], options, negative_prompts=["blurry"] * 2)
+    schedule = expected.schedule
+    for row, video in zip(rows, expected.samples):
+        assert row["generated_output"].shape == (3, FRAMES, HEIGHT, WIDTH)  # (C, F, H, W), SGLang's
+        assert torch.equal(row["generated_output"], video.image)
+        assert row["dit_trajectory"]["latents"].shape == (STEPS + 1, 16, 2, HEIGHT // 8, WIDTH // 8)
+        assert torch.equal(row["dit_trajectory"]["latents"], video.latents)
+        assert torch.equal(row["rollout_log_probs"], video.log_probs)
+        served_schedule = schedule_of_row(row)
+        assert served_schedule.equals(schedule)
+    if layout == "wan22_a14b":
+        assert set(rows[0]["dit_trajectory"]["model_experts"].tolist()) == {0, 1}
+        # The low-noise expert's own scale was used: without it the rows differ.
+        options_without = SamplingOptions(
+            num_inference_steps=STEPS, height=HEIGHT, width=WIDTH, num_frames=FRAMES, guidance_scale=3.0
+        )
+        other = sample(local, ["a cat sitting on a red chair"], [21], options_without, negative_prompts=["blurry"])
+        assert not torch.equal(other.samples[0].log_probs, rows[0]["rollout_log_probs"])
+    else:
+        assert "model_experts" not in rows[0]["dit_trajectory"]
+    info = http.get(f"{url}/rollout/info").json()
+    assert info["model"] == "wan" and info["default_num_frames"] == 81
+    assert info["experts"] == list(local.experts)
+
+
+def test_handle_video_rollouts_replay_exactly_across_the_expert_boundary(video_apps):
+    handle, _, local = video_apps["wan22_a14b"]
+    body = {
+        "prompt": ["a cat", "a dog"],
+        "num_outputs_per_prompt": 2,
+        "num_inference_steps": STEPS,
+        "height": HEIGHT,
+        "width": WIDTH,
+        "num_frames": FRAMES,
+        "guidance_scale": 2.0,
+        "rollout_return_dit_trajectory": True,
+        "rollout_debug_mode": False,
+    }
+    batch = handle.generate.remote(body).result().batch()
+    assert all(s.schedule is batch.schedule for s in batch.samples)
+    assert set(batch.schedule.model_experts.tolist()) == {0, 1}
+    replayed = replay_log_probs(local, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+
+
+def test_bad_frame_counts_are_400s_naming_the_field_and_the_server_keeps_serving(video_apps, serve_app, http):
+    _, url, _ = video_apps["wan21"]
+    small = {"prompt": "x", "height": HEIGHT, "width": WIDTH, "num_inference_steps": 2}
+    for frames, says in ((4, "must be 4k + 1"), (300, "at most 257 (limits.max_num_frames)"), (0, "positive integer")):
+        response = http.post(f"{url}/rollout/generate", json={**small, "num_frames": frames})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["field"] == "num_frames" and says in error["message"], error
+    _, image_url = serve_app  # the embedded digits model
+    response = http.post(f"{image_url}/rollout/generate", json={"prompt": "3", "num_frames": 5})
+    assert response.status_code == 400 and "generates images: must be 1" in response.json()["error"]["message"]
+    response = http.post(f"{url}/rollout/generate", json={**small, "num_frames": 1})  # 4k + 1 with k = 0
+    assert response.status_code == 200, response.text
+
+
+def test_a_response_past_the_size_limit_is_a_400_before_sampling_naming_what_to_drop(video_apps, http):
+    _, url, local = video_apps["wan21"]
+    body = {
+        "prompt": "x", "height": HEIGHT, "width": WIDTH, "num_frames": FRAMES, "num_inference_steps": STEPS,
+        "num_outputs_per_prompt": 8, "rollout_return_dit_trajectory": True,
+    }  # fmt: skip
+    options = SamplingOptions(num_inference_steps=STEPS, height=HEIGHT, width=WIDTH, num_frames=FRAMES, debug=True)
+    per_sample = options.kept_bytes_per_sample(local.latent_shape(HEIGHT, WIDTH, FRAMES))
+    assert 8 * per_sample > 2**20 > 2 * per_sample
+    response = http.post(f"{url}/rollout/generate", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["field"] == "rollout_return_step_indices"
+    for advice in ("limits.max_response_bytes", "rollout_sde_step_indices", "rollout_debug_mode: false"):
+        assert advice in error["message"]
+    # The same samples with a two-step window and no debug tensors fit, and the server kept serving.
+    window = {"rollout_sde_step_indices": [1, 2], "rollout_return_step_indices": [1, 2, 3], "rollout_debug_mode": False}
+    response = http.post(f"{url}/rollout/generate", json={**body, **window})
+    assert response.status_code == 200, response.text

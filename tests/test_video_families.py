@@ -1,0 +1,229 @@
+"""Wan2.1 and Wan2.2 (both layouts) through the rollout library, on tiny random-weight copies
+saved as diffusers directories (`rollout/tiny_families.py`) and loaded by the real loading code.
+
+The reference is diffusers' own `WanPipeline(...)` with its UniPC scheduler swapped for the
+flow-matching Euler scheduler at the checkpoint's `flow_shift`: the rollout's ODE path must
+reproduce it exactly, latents and frames.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+from rollout.errors import InvalidRequestError
+from rollout.models.base import MicroBatching
+from rollout.models.registry import load_pipeline, resolve_model
+from rollout.options import SamplingOptions
+from rollout.replay import replay_log_probs
+from rollout.sampler import sample
+from rollout.weights import apply_update, tensor_update, weights_checksum
+from tests.test_transitions import reference_log_prob, reference_step
+
+LAYOUTS = ["wan21", "wan22_a14b", "wan22_ti2v"]
+FRAMES = 5  # two latent frames
+TEXT_LENGTH = 16
+# Steps whose timesteps fall on both sides of Wan2.2-A14B's boundary (875) at shift 3.
+STEPS = 4
+
+
+def frame_size(layout: str) -> tuple[int, int]:
+    """A small (height, width) the layout can make: two by three transformer tokens."""
+    multiple = 32 if layout == "wan22_ti2v" else 16
+    return 2 * multiple, 3 * multiple
+
+
+@pytest.fixture(scope="module")
+def pipelines(tiny_video_dirs):
+    cache = {}
+
+    def load(layout: str, dtype: str = "float32", micro_batch_size: int = 2):
+        key = (layout, dtype, micro_batch_size)
+        if key not in cache:
+            cache[key] = load_pipeline(
+                None,
+                tiny_video_dirs[layout],
+                device="cpu",
+                dtype=getattr(torch, dtype),
+                micro_batching=MicroBatching(micro_batch_size),
+                max_sequence_length=TEXT_LENGTH,
+            )
+        return cache[key]
+
+    return load
+
+
+def options_for(layout: str, **fields) -> SamplingOptions:
+    height, width = frame_size(layout)
+    return SamplingOptions(num_inference_steps=STEPS, height=height, width=width, num_frames=FRAMES, **fields)
+
+
+def euler_pipeline(path) -> WanPipeline:
+    pipe = WanPipeline.from_pretrained(path, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
+    return pipe
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
+def test_the_ode_path_reproduces_the_diffusers_pipeline_with_its_euler_scheduler(pipelines, tiny_video_dirs, layout, guided):
+    pipeline = pipelines(layout, micro_batch_size=1)
+    scale = {"guidance_scale": 4.0, "guidance_scale_2": 2.5} if guided else {"guidance_scale": 1.0}
+    if layout != "wan22_a14b":
+        scale.pop("guidance_scale_2", None)
+    negative = "blurry" if guided else ""
+    options = options_for(layout, sde_type="ode", **scale)
+    (rollout,) = sample(pipeline, ["a cat sitting on a red chair"], [11], options, negative_prompts=[negative]).samples
+
+    height, width = frame_size(layout)
+    call = dict(
+        prompt="a cat sitting on a red chair",
+        negative_prompt=negative,
+        height=height,
+        width=width,
+        num_frames=FRAMES,
+        num_inference_steps=STEPS,
+        max_sequence_length=TEXT_LENGTH,
+        **scale,
+    )
+    pipe = euler_pipeline(tiny_video_dirs[layout])
+    latents = pipe(**call, generator=torch.Generator().manual_seed(11), output_type="latent").frames[0]
+    frames = pipe(**call, generator=torch.Generator().manual_seed(11), output_type="pt").frames[0]
+    assert torch.equal(rollout.final_latents, latents)
+    # The pipeline's frames are (F, C, H, W); a row's are SGLang's (C, F, H, W).
+    assert rollout.image.shape == (3, FRAMES, height, width)
+    assert torch.equal(rollout.image, frames.permute(1, 0, 2, 3))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_schedule_is_the_private_euler_schedulers_own(pipelines, tiny_video_dirs, layout):
+    pipeline = pipelines(layout)
+    flow_shift = json.loads((tiny_video_dirs[layout] / "scheduler" / "scheduler_config.json").read_text())["flow_shift"]
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=flow_shift)
+    scheduler.set_timesteps(10)
+    schedule = pipeline.schedule(10, *frame_size(layout))
+    assert torch.equal(schedule.sigmas, scheduler.sigmas) and schedule.sigmas[-1] == 0
+    assert torch.equal(schedule.timesteps, scheduler.timesteps)
+    assert torch.equal(schedule.model_timesteps, scheduler.timesteps)  # Wan's time input: the timesteps
+    assert schedule.sigmas is not pipeline.scheduler.sigmas
+    if layout == "wan22_a14b":
+        expected = (scheduler.timesteps < 0.875 * 1000).to(torch.int64)  # transformer_2 below the boundary
+        assert torch.equal(schedule.model_experts, expected) and 0 < expected.sum() < 10
+        assert pipeline.experts == ("transformer", "transformer_2")
+    else:
+        assert schedule.model_experts is None and pipeline.experts == ("transformer",)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replay_equals_the_rollout_exactly(pipelines, layout, dtype):
+    pipeline = pipelines(layout, dtype)
+    guidance = {"guidance_scale": 3.0, **({"guidance_scale_2": 2.0} if layout == "wan22_a14b" else {})}
+    options = options_for(layout, return_denoising_env=True, **guidance)
+    batch = sample(pipeline, ["a cat", "a dog in the garden"], [1, 2], options, negative_prompts=["dark", ""])
+    if layout == "wan22_a14b":
+        assert set(batch.schedule.model_experts.tolist()) == {0, 1}  # steps on both sides of the boundary
+    rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
+    assert torch.isfinite(rollout_log_probs).all()
+    from_env = replay_log_probs(pipeline, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(from_env.log_probs, rollout_log_probs)
+    without_env = [type(s)(**{**s.__dict__, "denoising_env": None}) for s in batch.samples]
+    assert torch.equal(replay_log_probs(pipeline, batch.schedule, batch.options, without_env).log_probs, rollout_log_probs)
+
+
+def test_a_two_expert_replay_needs_the_recorded_experts(pipelines):
+    pipeline = pipelines("wan22_a14b")
+    batch = sample(pipeline, ["a cat"], [3], options_for("wan22_a14b"))
+    schedule = batch.schedule
+    rebuilt = type(schedule)(schedule.sigmas, schedule.timesteps, schedule.model_timesteps)
+    with pytest.raises(InvalidRequestError, match="model_experts"):
+        replay_log_probs(pipeline, rebuilt, batch.options, batch.samples)
+    # The experts are used, not decoration: running every step on the high-noise expert changes the log-probs.
+    high_only = type(schedule)(
+        schedule.sigmas, schedule.timesteps, schedule.model_timesteps, torch.zeros_like(schedule.model_experts)
+    )
+    replayed = replay_log_probs(pipeline, high_only, batch.options, batch.samples).log_probs[0]
+    low_steps = schedule.model_experts.bool()
+    assert torch.equal(replayed[~low_steps], batch.samples[0].log_probs[~low_steps])
+    assert not torch.equal(replayed[low_steps], batch.samples[0].log_probs[low_steps])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_video_is_the_same_alone_and_in_a_batch(pipelines, layout):
+    pipeline = pipelines(layout)  # micro-batches of 2: the batch of 3 pads its second call
+    options = options_for(layout, guidance_scale=3.0, debug=True)
+    alone = sample(pipeline, ["a cat"], [7], options).samples[0]
+    batched = sample(pipeline, ["a dog", "a cat", "a red chair"], [8, 7, 9], options).samples[1]
+    for name in ("final_latents", "latents", "log_probs", "image"):
+        assert torch.equal(getattr(alone, name), getattr(batched, name)), name
+    assert torch.equal(alone.debug.model_outputs, batched.debug.model_outputs)
+
+
+def test_sde_log_probs_follow_the_flow_grpo_formula(pipelines):
+    pipeline = pipelines("wan22_a14b")
+    batch = sample(pipeline, ["a cat"], [5], options_for("wan22_a14b", guidance_scale=3.0, debug=True))
+    (video,) = batch.samples
+    sigmas = batch.schedule.sigmas.double().numpy()
+    latents, velocities = video.latents.double().numpy(), video.debug.model_outputs.double().numpy()
+    for step in range(STEPS):
+        mean, noise_std, _ = reference_step(
+            "sde", latents[step], velocities[step], sigmas[step], sigmas[step + 1], 0.7, sigmas[1], 0
+        )
+        expected = reference_log_prob(latents[step + 1][None], mean[None], noise_std, "gaussian")[0]
+        assert math.isclose(video.log_probs[step].item(), expected, rel_tol=1e-4, abs_tol=1e-4), step
+
+
+def test_frame_counts_the_model_cannot_make_are_refused_before_sampling(pipelines, tiny_family_dirs):
+    pipeline = pipelines("wan21")
+    height, width = frame_size("wan21")
+    assert pipeline.latent_shape(height, width, 1) == (16, 1, height // 8, width // 8)  # 4k + 1 with k = 0
+    assert pipeline.latent_shape(height, width, 9)[1] == 3
+    for frames in (4, 6, 80):
+        with pytest.raises(InvalidRequestError, match="num_frames.*must be 4k \\+ 1") as refused:
+            sample(pipeline, ["a cat"], [0], SamplingOptions(height=height, width=width, num_frames=frames))
+        assert refused.value.field == "num_frames"
+    with pytest.raises(InvalidRequestError, match="num_frames.*at most 4093"):
+        pipeline.latent_shape(height, width, 4 * 1024 + 1)
+    with pytest.raises(InvalidRequestError, match="height.*multiple of 16"):
+        pipeline.latent_shape(40, width, 5)
+    image_model = load_pipeline("sd3", tiny_family_dirs["sd3"], device="cpu")
+    with pytest.raises(InvalidRequestError, match="'sd3' generates images: must be 1, got 5") as refused:
+        sample(image_model, ["a cat"], [0], SamplingOptions(height=64, width=64, num_frames=5))
+    assert refused.value.field == "num_frames"
+
+
+def test_the_family_is_read_from_model_index(tiny_video_dirs):
+    for path in tiny_video_dirs.values():
+        assert resolve_model(None, path) == ("wan", path)
+
+
+@pytest.mark.parametrize("experts", [["transformer_2"], ["transformer", "transformer_2"]], ids=["low-noise", "both"])
+def test_a_lora_update_on_one_expert_or_both_replays_exactly(tiny_video_dirs, experts):
+    served, trainer = (
+        load_pipeline(None, tiny_video_dirs["wan22_a14b"], device="cpu", max_sequence_length=TEXT_LENGTH)
+        for _ in range(2)
+    )
+    base = {name: weights_checksum(module) for name, module in served.weight_modules.items()}
+    generator = torch.Generator().manual_seed(0)
+    for name in experts:
+        module = trainer.weight_modules[name]
+        module.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"]))
+        with torch.no_grad():
+            for parameter_name, parameter in module.named_parameters():
+                if "lora_B" in parameter_name:
+                    parameter.copy_(0.05 * torch.randn(parameter.shape, generator=generator))
+        update = tensor_update(get_peft_model_state_dict(module), target_modules=[name], lora_rank=4, lora_alpha=8)
+        apply_update(served.weight_modules, update)
+    for name, module in served.weight_modules.items():
+        changed = weights_checksum(module) != base[name]
+        assert changed == (name in experts), name
+
+    options = options_for("wan22_a14b", guidance_scale=3.0)
+    batch = sample(served, ["a cat", "a dog"], [0, 1], options)
+    replayed = replay_log_probs(trainer, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
