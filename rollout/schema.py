@@ -59,7 +59,7 @@ class RolloutRequest(BaseModel):
     num_frames: int | None = Field(
         None, description="Frames per sample of a video model (Wan: 4k + 1); image models take only 1. Default: the model's."
     )
-    fps: int | None = Field(None, description="Frame rate of video models, for the videos written; image models ignore it.")
+    fps: int | None = Field(None, description="Frame rate of a video model's output, as in SGLang; image models ignore it.")
     rollout: bool = Field(True, description="False: evaluation, images only, from the deterministic ODE sampler.")
     rollout_sde_type: str = Field("sde", description="Transition of the stochastic steps: sde, cps or ode.")
     rollout_noise_level: float = Field(0.7, description="eta, the noise level.")

@@ -140,7 +140,7 @@ def test_sampling_options_match_the_library(handle):
     batch = handle.generate.remote({"prompt": "2", "num_inference_steps": 4, "rollout_sde_type": "cps"}).result().batch()
     # SGLang's defaults: rollout_debug_mode is on unless a request turns it off, and latents
     # travel only when the trajectory is asked for.
-    expected = dict(num_inference_steps=4, height=16, width=16, guidance_scale=2.0, sde_type="cps", debug=True)
+    expected = dict(num_inference_steps=4, height=16, width=16, num_frames=1, guidance_scale=2.0, sde_type="cps", debug=True)
     assert batch.options == SamplingOptions(**expected, return_step_indices=())
     assert batch.samples[0].latents.shape == (0, 1, 16, 16)
 
