@@ -51,7 +51,9 @@ from rollout.trajectory import RolloutBatch
 STEPS = 20
 LIGHT = {"num_inference_steps": STEPS, "rollout_debug_mode": False}
 HEAVY = {**LIGHT, "rollout_debug_mode": True, "rollout_return_dit_trajectory": True}
-ONE_REPLICA = {"num_worker_replicas": 1, "worker_num_cpus": 1, "worker_torch_threads": 1, "max_batch_size": 32}
+# Room for a 128-leaf tree request beside work still finishing from the section before it (the
+# default admits 4 batches, 128 samples, in all).
+ONE_REPLICA = {"num_worker_replicas": 1, "worker_num_cpus": 1, "worker_torch_threads": 1, "max_batch_size": 32, "max_queued_samples": 512}
 TWO_REPLICAS = {**ONE_REPLICA, "num_worker_replicas": 2, "worker_num_cpus": 0.5}
 
 

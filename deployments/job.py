@@ -5,7 +5,9 @@
 Connects to the cluster's running rollout application (`--app-name`; it exits at once, naming
 the applications that do run, if there is none), sends the prompts in requests of `--prompts-per-request`
 with at most `--max-in-flight` requests outstanding, and writes one safetensors shard per request
-plus `index.json` (see `rollout.dataset`). A progress bar counts samples.
+plus `index.json` (see `rollout.dataset`). A progress bar counts samples. With a video model,
+`--num-frames` sets the frame count and `--videos` also writes each sample's frames as an MP4
+(`videos/sample-<index>.mp4` next to the shards, at `--fps`; `rollout.video`).
 
 The requests follow from the arguments alone (request r's seed is `--seed` plus the samples before
 it), and the index records the arguments under `job`. A job stopped early (a failed request, Ctrl-C,
@@ -42,7 +44,12 @@ REQUEST_ARGUMENTS = (
     "noise_level",
     "seed",
     "prompts_per_request",
+    "height",
+    "width",
+    "num_frames",
 )
+# Wan2.1 and Wan2.2 make 16 frames a second; an MP4 needs some rate even where the request gave none.
+DEFAULT_FPS = 16
 
 
 class RequestFailedError(RuntimeError):
@@ -70,6 +77,10 @@ def job_requests(prompts: list[str], args: argparse.Namespace) -> list[RolloutRe
             rollout_debug_mode=False,  # the shards keep no debug tensors
             rollout_return_dit_trajectory=True,  # but every latent
             seed=args.seed + start * args.num_outputs_per_prompt,
+            height=args.height,
+            width=args.width,
+            num_frames=args.num_frames,
+            fps=args.fps,
         )
         for start in range(0, len(prompts), per_request)
     ]
@@ -87,6 +98,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="base seed; request r starts where request r-1 ended")
     parser.add_argument("--prompts-per-request", type=int, default=8)
     parser.add_argument("--max-in-flight", type=int, default=4)
+    parser.add_argument("--height", type=int, help="pixels; default: the model's")
+    parser.add_argument("--width", type=int, help="pixels; default: the model's")
+    parser.add_argument("--num-frames", type=int, help="frames per sample of a video model; default: the model's")
+    parser.add_argument("--fps", type=int, help=f"frame rate of a video model's output (MP4s: default {DEFAULT_FPS})")
+    parser.add_argument("--videos", action="store_true", help="also write each video as videos/sample-<index>.mp4")
     parser.add_argument(
         "--resume", action="store_true", help="continue the dataset in --output, written with the same arguments"
     )
@@ -117,9 +133,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             for number in range(kept_shards, len(requests)):
                 in_flight.append((number, handle.generate.remote(requests[number])))
                 if len(in_flight) >= args.max_in_flight:
-                    _write(writer, *in_flight.popleft(), args.prompts_per_request, progress)
+                    _write(writer, *in_flight.popleft(), args, progress)
             while in_flight:
-                _write(writer, *in_flight.popleft(), args.prompts_per_request, progress)
+                _write(writer, *in_flight.popleft(), args, progress)
         except (RequestFailedError, KeyboardInterrupt) as stop:
             reason = str(stop) if isinstance(stop, RequestFailedError) else "interrupted"
             raise SystemExit(
@@ -160,7 +176,7 @@ def _check_output(output: Path, resume: bool, arguments: dict) -> None:
         )
 
 
-def _write(writer: RolloutDatasetWriter, number: int, response, prompts_per_request: int, progress: tqdm) -> None:
+def _write(writer: RolloutDatasetWriter, number: int, response, args: argparse.Namespace, progress: tqdm) -> None:
     try:
         result = response.result()
         batch = result.batch()
@@ -169,12 +185,26 @@ def _write(writer: RolloutDatasetWriter, number: int, response, prompts_per_requ
     records = [
         {
             "request_id": result.request_id,
-            "prompt_index": number * prompts_per_request + i // result.num_outputs_per_prompt,
+            "prompt_index": number * args.prompts_per_request + i // result.num_outputs_per_prompt,
         }
         for i in range(len(batch.samples))
     ]
+    first_index = len(writer.samples)
     writer.write(batch, records)
+    if args.videos:
+        _write_videos(args.output / "videos", batch, first_index, args.fps or DEFAULT_FPS)
     progress.update(len(batch.samples))
+
+
+def _write_videos(directory: Path, batch, first_index: int, fps: int) -> None:
+    """Each sample's frames as `sample-<its index in the dataset>.mp4`."""
+    from rollout.video import write_mp4
+
+    if batch.samples[0].image.ndim != 4:
+        raise SystemExit("--videos: the served model makes images, not videos")
+    directory.mkdir(exist_ok=True)
+    for offset, sample in enumerate(batch.samples):
+        write_mp4(sample.image, directory / f"sample-{first_index + offset:06d}.mp4", fps)
 
 
 if __name__ == "__main__":

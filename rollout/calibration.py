@@ -59,7 +59,8 @@ def _probe(
         pipeline, SamplingOptions(height=height, width=width, num_inference_steps=2, **(guidance or {}))
     )
     (one_row,) = pipeline.encode_prompts([CALIBRATION_PROMPT], [""], options).buckets
-    timestep = pipeline.schedule(options.num_inference_steps, height, width).model_timesteps[0].to(pipeline.device)
+    schedule = pipeline.schedule(options.num_inference_steps, height, width, options.num_frames)
+    timestep = schedule.model_timesteps[0].to(pipeline.device)
     return options, pipeline.latent_shape(height, width, options.num_frames), one_row.conditioning, timestep
 
 

@@ -395,7 +395,7 @@ def _proven_format_1_schedule(
             f"{unproven}; {REGENERATE}, or pass the pipeline that sampled it, if its transformer takes the "
             "scheduler's timesteps as they are (the embedded model, SD3): load_rollouts(path, pipeline)"
         )
-    own = pipeline.schedule(options.num_inference_steps, options.height, options.width)
+    own = pipeline.schedule(options.num_inference_steps, options.height, options.width, options.num_frames or 1)
     same_schedule = torch.equal(own.sigmas, tensors["schedule.sigmas"]) and torch.equal(
         own.timesteps, tensors["schedule.timesteps"]
     )

@@ -20,6 +20,8 @@ class SamplingOptions:
         num_inference_steps: T, the number of denoising steps.
         height, width: image (or frame) size in pixels; None takes the model's default.
         num_frames: frames per sample, 1 for an image; None takes the model's default.
+        fps: the frame rate of a video; a model whose transformer reads it (LTX-Video's rotary
+            time scale) takes its own default for None; the others ignore it.
         guidance_scale: the model's guidance scale (classifier-free guidance, or the distilled
             guidance of a guidance-distilled model); None takes the model's default.
         true_cfg_scale: the classifier-free guidance weight of models that separate it from a
@@ -41,6 +43,7 @@ class SamplingOptions:
     height: int | None = None
     width: int | None = None
     num_frames: int | None = None
+    fps: int | None = None
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
     guidance_scale_2: float | None = None
@@ -56,7 +59,8 @@ class SamplingOptions:
         steps = self.num_inference_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1, got {steps!r}")
-        for field, value in (("height", self.height), ("width", self.width), ("num_frames", self.num_frames)):
+        sizes = (("height", self.height), ("width", self.width), ("num_frames", self.num_frames), ("fps", self.fps))
+        for field, value in sizes:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InvalidRequestError(field, f"must be a positive integer, got {short_repr(value)}")
         object.__setattr__(self, "sde_type", _as_enum(TransitionKind, self.sde_type, "rollout_sde_type"))

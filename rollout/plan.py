@@ -21,6 +21,10 @@ from rollout.transitions import LogProbForm, TransitionKind
 from rollout.tree import FACTORS_FIELD, STEPS_FIELD, Branching, TreeRoot, roots_of
 
 
+# SGLang's `rollout_video_dtype` values: None ships the frames as sampled (fp32).
+VIDEO_DTYPES = (None, "uint8")
+
+
 class RequestLimits(BaseModel):
     """What one request may ask for."""
 
@@ -247,6 +251,7 @@ def _sampling_options(request: RolloutRequest, steps: int) -> SamplingOptions:
         height=request.height,
         width=request.width,
         num_frames=request.num_frames,
+        fps=request.fps,
         guidance_scale=request.guidance_scale,
         true_cfg_scale=request.true_cfg_scale,
         guidance_scale_2=request.guidance_scale_2,
@@ -313,9 +318,12 @@ def _check_value_limits(request: RolloutRequest, limits: RequestLimits, steps: i
 
 
 def _check_input_fields(request: RolloutRequest) -> None:
-    """SGLang's frame rate and image-input fields: every model served here is text-to-image or
-    text-to-video. (A frame count is checked by the model: `RolloutPipeline.latent_shape`.)"""
-    if request.fps is not None and request.fps < 1:
-        raise InvalidRequestError("fps", f"must be a positive integer, got {request.fps}")
+    """SGLang's video output and image-input fields: every model served here is text-to-image or
+    text-to-video. (A frame count is checked by the model, `RolloutPipeline.latent_shape`; a
+    frame rate by `SamplingOptions`.)"""
+    if request.rollout_video_dtype not in VIDEO_DTYPES:
+        raise InvalidRequestError(
+            "rollout_video_dtype", f"must be one of {list(VIDEO_DTYPES)}, got {short_repr(request.rollout_video_dtype)}"
+        )
     if request.image_path:
         raise InvalidRequestError("image_path", "the served model is text-to-image and takes no input image")

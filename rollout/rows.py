@@ -16,6 +16,7 @@ from rollout.errors import InvalidRequestError
 from rollout.plan import RolloutPlan
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import RolloutBatch, SampleTrajectory
+from rollout.video import frames_as_uint8
 
 # `dit_trajectory` key -> the `ScheduleSnapshot` field it holds, whole and unfiltered.
 SCHEDULE_KEYS = {"sigmas": "sigmas", "scheduler_timesteps": "timesteps", "model_timesteps": "model_timesteps"}
@@ -49,7 +50,7 @@ def response_rows(
             "request_id": plan.request_id,
             "prompt": sample.prompt,
             "seed": plan.seed,
-            "generated_output": sample.image,
+            "generated_output": _generated_output(sample.image, request.rollout_video_dtype),
             "rollout_log_probs": sample.log_probs if request.rollout else None,
             "rollout_debug_tensors": _debug_tensors(sample),
             "denoising_env": sample.denoising_env,
@@ -64,6 +65,13 @@ def response_rows(
         }
         for i, sample in enumerate(batch.samples)
     ]
+
+
+def _generated_output(output: torch.Tensor, video_dtype: str | None) -> torch.Tensor:
+    """A sample's image, or its video's frames (`[3, F, H, W]`) rounded to uint8 when asked."""
+    if video_dtype == "uint8" and output.ndim == 4:
+        return frames_as_uint8(output)
+    return output
 
 
 def _debug_tensors(sample: SampleTrajectory) -> dict[str, torch.Tensor] | None:

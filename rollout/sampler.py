@@ -254,7 +254,7 @@ def sample_tree(
 
     prompts, negatives = [root.prompt for root in roots], [root.negative_prompt for root in roots]
     conditioning = pipeline.encode_prompts(prompts, negatives, options).map(lambda t: t.cpu())
-    schedule = pipeline.schedule(num_steps, options.height, options.width)
+    schedule = pipeline.schedule(num_steps, options.height, options.width, options.num_frames)
     sigmas = schedule.sigmas.to(device)
     kept_steps = options.kept_latent_steps()
     branch_steps = sorted({step for root in roots for step in root.branching.steps})

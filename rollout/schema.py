@@ -61,6 +61,11 @@ class RolloutRequest(BaseModel):
     )
     fps: int | None = Field(None, description="Frame rate of a video model's output, as in SGLang; image models ignore it.")
     rollout: bool = Field(True, description="False: evaluation, images only, from the deterministic ODE sampler.")
+    rollout_video_dtype: str | None = Field(
+        None,
+        description="'uint8': a video model's generated_output rounded to 8 bits (4x fewer bytes), as SGLang; "
+        "None: fp32 as sampled. Image models ignore it.",
+    )
     rollout_sde_type: str = Field("sde", description="Transition of the stochastic steps: sde, cps or ode.")
     rollout_noise_level: float = Field(0.7, description="eta, the noise level.")
     rollout_log_prob_no_const: bool = Field(

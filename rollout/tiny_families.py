@@ -18,11 +18,14 @@ from pathlib import Path
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLLTXVideo,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    LTXPipeline,
+    LTXVideoTransformer3DModel,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -561,6 +564,64 @@ def build_tiny_wan22_ti2v(path: Path, transformer_heads: int = 2) -> Path:
     return path
 
 
+# LTX-Video's published scheduler: dynamic shift over the video's latent tokens, stretched to 0.1.
+_LTX_SCHEDULER = {
+    "use_dynamic_shifting": True,
+    "base_shift": 0.95,
+    "max_shift": 2.05,
+    "base_image_seq_len": 1024,
+    "max_image_seq_len": 4096,
+    "shift_terminal": 0.1,
+    "shift": 1.0,
+}
+
+
+def build_tiny_ltx(path: Path, transformer_heads: int = 2) -> Path:
+    """Save a tiny LTX-Video-like `LTXPipeline` to `path` and return `path`.
+
+    A T5 encoder of width 32, an `LTXVideoTransformer3DModel` with one layer on LTX's 128 latent
+    channels (patch 1, RMS qk-norm across heads), an `AutoencoderKLLTXVideo` with LTX's layout
+    (4x4 pixel patches and three spatio-temporal downsamplings: 32x in space, 8x in time) at tiny
+    widths, and LTX-Video's scheduler.
+    """
+    tokenizer = _t5_tokenizer()
+    text_encoder = _t5_encoder(tokenizer, d_model=32)
+    torch.manual_seed(_SEED)
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=128,
+        out_channels=128,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=transformer_heads,
+        attention_head_dim=16,
+        cross_attention_dim=16 * transformer_heads,
+        num_layers=1,
+        caption_channels=text_encoder.config.d_model,
+    )
+    torch.manual_seed(_SEED)
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=128,
+        block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+    )
+    pipe = LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**_LTX_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
 FAMILY_BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "qwenimage": build_tiny_qwenimage}
-# The video layouts, all served by the `wan` family.
-VIDEO_BUILDERS = {"wan21": build_tiny_wan21, "wan22_a14b": build_tiny_wan22_a14b, "wan22_ti2v": build_tiny_wan22_ti2v}
+# The video families: Wan's three layouts (all model `wan`) and LTX-Video (`ltx`).
+VIDEO_BUILDERS = {
+    "wan21": build_tiny_wan21,
+    "wan22_a14b": build_tiny_wan22_a14b,
+    "wan22_ti2v": build_tiny_wan22_ti2v,
+    "ltx": build_tiny_ltx,
+}

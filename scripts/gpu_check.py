@@ -21,7 +21,11 @@ trains (SD3.5-Medium: CFG 4.5; FLUX.1-dev: its embedded guidance 3.5):
   (`check_batch_invariance`), and where they do, the replay difference and the same samples/s
   with them instead of padding.
 
-    python scripts/gpu_check.py --families sd3 flux --out docs/gpu_check.json
+And Wan2.1-T2V-1.3B (`--families wan`): two videos of 480x832, 33 frames, 10 steps, CFG 5, one a
+transformer call, against `pipeline(...)` with the rollout's Euler scheduler; peak memory; the
+bf16 replay difference.
+
+    python scripts/gpu_check.py --families sd3 flux wan --out docs/gpu_check.json
     python scripts/gpu_check.py --tiny     # the same code on the tiny copies, on the CPU (tested)
 
 On the device machine, which has torch, transformers and peft but not diffusers: carry diffusers
@@ -48,6 +52,7 @@ from rollout.kernels import BatchInvariance  # noqa: E402
 from rollout.models.base import MicroBatching  # noqa: E402
 from rollout.models.flux import FluxFamily  # noqa: E402
 from rollout.models.sd3 import StableDiffusion3Family  # noqa: E402
+from rollout.models.wan import WanFamily  # noqa: E402
 from rollout.options import SamplingOptions  # noqa: E402
 from rollout.replay import replay_log_probs  # noqa: E402
 from rollout.sampler import sample  # noqa: E402
@@ -132,10 +137,31 @@ def flux1_dev(tiny_pipe):
     )  # fmt: skip
 
 
+def wan21_t2v_1_3b(tiny_pipe):
+    """Wan2.1-T2V-1.3B's published configuration: its DiT, UMT5-XXL and the Wan2.1 VAE."""
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+        text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+    )  # fmt: skip
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=256384,
+                   feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
+    )  # fmt: skip
+    return WanPipeline(
+        tokenizer=tiny_pipe.tokenizer, text_encoder=text_encoder, vae=AutoencoderKLWan(),
+        scheduler=tiny_pipe.scheduler, transformer=transformer,
+    )  # fmt: skip
+
+
 FAMILIES = {
     "sd3": (StableDiffusion3Family, sd35_medium, {"guidance_scale": 4.5}),
     "flux": (FluxFamily, flux1_dev, {"guidance_scale": 3.5}),
 }
+VIDEO_FAMILIES = {"wan": (WanFamily, wan21_t2v_1_3b, {"guidance_scale": 5.0})}
 
 
 @contextlib.contextmanager
@@ -280,14 +306,79 @@ def check_family(
     }
 
 
+def check_video_family(name: str, tiny_dir: Path, tiny: bool, device: str) -> dict:
+    """Wan2.1-T2V-1.3B at 480x832, 33 frames, 10 steps (the tiny copy: 32x48, 5 frames, 2 steps),
+    CFG 5: a group of two videos, one a transformer call, rollout against `pipeline(...)` with its
+    scheduler swapped for the rollout's Euler one; peak memory; the bf16 replay difference."""
+    family_class, build_real, guidance = VIDEO_FAMILIES[name]
+    dtype = torch.bfloat16
+    tiny_family = family_class.from_pretrained(tiny_dir, torch_dtype=dtype, device=device)
+    if tiny:
+        family, (height, width, frames, steps) = tiny_family, (32, 48, 5, 2)
+    else:
+        started = time.perf_counter()
+        with building_on(device, dtype):
+            pipe = build_real(tiny_family.pipe)
+        pipe.set_progress_bar_config(disable=True)
+        family, (height, width, frames, steps) = family_class(pipe), (480, 832, 33, 10)
+        print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)
+    family.micro_batching = MicroBatching(1)
+    videos = 2
+    options = SamplingOptions(num_inference_steps=steps, height=height, width=width, num_frames=frames, **guidance)
+    # The pipeline samples with the rollout's Euler scheduler (its own copy: set_timesteps mutates it).
+    family.pipe.scheduler = type(family.scheduler).from_config(family.scheduler.config)
+
+    def rollout():
+        return sample(family, [PROMPT] * videos, list(range(videos)), options)
+
+    def plain_pipeline():
+        with torch.no_grad():
+            return family.pipe(
+                prompt=[PROMPT] * videos, height=height, width=width, num_frames=frames, num_inference_steps=steps,
+                generator=[torch.Generator("cpu").manual_seed(s) for s in range(videos)], output_type="pt", **guidance,
+            ).frames  # fmt: skip
+
+    rollout()  # warm-up
+    plain_pipeline()
+    runs = {"rollout": [], "pipeline": []}
+    for _ in range(2):
+        batch, seconds, rollout_peak = measured(device, rollout)
+        runs["rollout"].append(seconds)
+        _, seconds, pipeline_peak = measured(device, plain_pipeline)
+        runs["pipeline"].append(seconds)
+    replayed = replay_log_probs(family, batch.schedule, batch.options, batch.samples)
+    rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
+    rates = {which: videos / min(seconds) for which, seconds in runs.items()}
+    return {
+        "family": name,
+        "transformer_parameters": sum(p.numel() for p in family.transformer.parameters()),
+        "dtype": "bfloat16",
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "size": [height, width],
+        "num_frames": frames,
+        "steps": steps,
+        "videos": videos,
+        "guidance": guidance,
+        "rollout_videos_per_s": rates["rollout"],
+        "pipeline_videos_per_s": rates["pipeline"],
+        "rollout_over_pipeline": rates["rollout"] / rates["pipeline"],
+        "rollout_seconds": runs["rollout"],
+        "pipeline_seconds": runs["pipeline"],
+        "rollout_peak_memory_mb": rollout_peak,
+        "pipeline_peak_memory_mb": pipeline_peak,
+        "replay_max_abs_dlogp": (replayed.log_probs - rollout_log_probs).abs().max().item(),
+        "log_probs_finite": bool(torch.isfinite(rollout_log_probs).all()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=["sd3", "flux"])
+    parser.add_argument("--families", nargs="+", choices=sorted({**FAMILIES, **VIDEO_FAMILIES}), default=["sd3", "flux"])
     parser.add_argument("--tiny", action="store_true", help="tiny copies on the CPU: checks the script itself")
     parser.add_argument("--out", type=Path, help="write the findings here as JSON")
     args = parser.parse_args()
 
-    from rollout.tiny_families import FAMILY_BUILDERS
+    from rollout.tiny_families import FAMILY_BUILDERS, VIDEO_BUILDERS
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     size, steps = (64, 3) if args.tiny else (512, 10)
@@ -296,8 +387,12 @@ def main() -> None:
     findings = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.families:
-            tiny_dir = FAMILY_BUILDERS[name](Path(scratch) / name)
-            findings.append(check_family(name, tiny_dir, args.tiny, device, size, steps, candidates, batch_sizes))
+            if name in VIDEO_FAMILIES:
+                tiny_dir = VIDEO_BUILDERS["wan21"](Path(scratch) / name)
+                findings.append(check_video_family(name, tiny_dir, args.tiny, device))
+            else:
+                tiny_dir = FAMILY_BUILDERS[name](Path(scratch) / name)
+                findings.append(check_family(name, tiny_dir, args.tiny, device, size, steps, candidates, batch_sizes))
             print(json.dumps(findings[-1]), flush=True)
             if args.out:  # after each family, so a run cut short keeps what it measured
                 args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv with the project and its test/train extras. Idempotent: it reinstalls only
+# Creates .venv with the project and its test/train/video extras. Idempotent: it reinstalls only
 # when pyproject.toml changed since the last successful run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1 && ! "$venv/bin/python" -c "import to
     echo "setup: no GPU here: torch 2.13.0, CPU build"
     "$venv/bin/pip" install --quiet "torch==2.13.0"
 fi
-echo "setup: the project (editable) with its test and training extras"
-"$venv/bin/pip" install --quiet -e ".[test,train]"
+echo "setup: the project (editable) with its test, training and video extras"
+"$venv/bin/pip" install --quiet -e ".[test,train,video]"
 touch "$stamp"
 echo "setup: $venv is ready (${SECONDS} s); it is reinstalled only when pyproject.toml changes"

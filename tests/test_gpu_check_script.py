@@ -38,3 +38,19 @@ def test_the_gpu_check_runs_on_the_tiny_copies(tmp_path):
     kernels = findings["batch_invariant_kernels"]
     assert kernels["velocity_difference"] == kernels["image_difference"] == 0.0
     assert kernels["replay_max_abs_dlogp"] == 0.0 and set(kernels["throughput_by_batch_size"]) == {"1", "8"}
+
+
+def test_the_gpu_check_runs_wan_on_its_tiny_copy(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--tiny", "--families", "wan", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    [findings] = json.loads(out.read_text())
+    assert findings["family"] == "wan" and findings["num_frames"] == 5 and findings["videos"] == 2
+    assert findings["rollout_videos_per_s"] == 2 / min(findings["rollout_seconds"])
+    assert findings["rollout_over_pipeline"] == findings["rollout_videos_per_s"] / findings["pipeline_videos_per_s"]
+    assert findings["replay_max_abs_dlogp"] == 0.0 and findings["log_probs_finite"]

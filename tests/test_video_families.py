@@ -1,17 +1,19 @@
-"""Wan2.1 and Wan2.2 (both layouts) through the rollout library, on tiny random-weight copies
-saved as diffusers directories (`rollout/tiny_families.py`) and loaded by the real loading code.
+"""Wan2.1, Wan2.2 (both layouts) and LTX-Video through the rollout library, on tiny random-weight
+copies saved as diffusers directories (`rollout/tiny_families.py`) and loaded by the real loading
+code.
 
-The reference is diffusers' own `WanPipeline(...)` with its UniPC scheduler swapped for the
-flow-matching Euler scheduler at the checkpoint's `flow_shift`: the rollout's ODE path must
-reproduce it exactly, latents and frames.
+The reference is diffusers' own pipeline: `WanPipeline(...)` with its UniPC scheduler swapped for
+the flow-matching Euler scheduler at the checkpoint's `flow_shift`, and `LTXPipeline(...)` as it
+is. The rollout's ODE path must reproduce it exactly, latents and frames.
 """
 
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline, WanPipeline
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
@@ -21,11 +23,14 @@ from rollout.models.registry import load_pipeline, resolve_model
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.sampler import sample
+from rollout.video import frames_as_uint8, write_mp4
 from rollout.weights import apply_update, tensor_update, weights_checksum
 from tests.test_transitions import reference_log_prob, reference_step
 
-LAYOUTS = ["wan21", "wan22_a14b", "wan22_ti2v"]
-FRAMES = 5  # two latent frames
+WAN_LAYOUTS = ["wan21", "wan22_a14b", "wan22_ti2v"]
+LAYOUTS = [*WAN_LAYOUTS, "ltx"]
+FRAMES = 5  # two latent frames of Wan's
+LTX_FRAMES = 9  # two of LTX-Video's (8 frames a latent frame)
 TEXT_LENGTH = 16
 # Steps whose timesteps fall on both sides of Wan2.2-A14B's boundary (875) at shift 3.
 STEPS = 4
@@ -33,8 +38,12 @@ STEPS = 4
 
 def frame_size(layout: str) -> tuple[int, int]:
     """A small (height, width) the layout can make: two by three transformer tokens."""
-    multiple = 32 if layout == "wan22_ti2v" else 16
+    multiple = 32 if layout in ("wan22_ti2v", "ltx") else 16
     return 2 * multiple, 3 * multiple
+
+
+def frames_of(layout: str) -> int:
+    return LTX_FRAMES if layout == "ltx" else FRAMES
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +68,7 @@ def pipelines(tiny_video_dirs):
 
 def options_for(layout: str, **fields) -> SamplingOptions:
     height, width = frame_size(layout)
-    return SamplingOptions(num_inference_steps=STEPS, height=height, width=width, num_frames=FRAMES, **fields)
+    return SamplingOptions(num_inference_steps=STEPS, height=height, width=width, num_frames=frames_of(layout), **fields)
 
 
 def euler_pipeline(path) -> WanPipeline:
@@ -69,7 +78,7 @@ def euler_pipeline(path) -> WanPipeline:
     return pipe
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", WAN_LAYOUTS)
 @pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
 def test_the_ode_path_reproduces_the_diffusers_pipeline_with_its_euler_scheduler(pipelines, tiny_video_dirs, layout, guided):
     pipeline = pipelines(layout, micro_batch_size=1)
@@ -100,7 +109,7 @@ def test_the_ode_path_reproduces_the_diffusers_pipeline_with_its_euler_scheduler
     assert torch.equal(rollout.image, frames.permute(1, 0, 2, 3))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", WAN_LAYOUTS)
 def test_the_schedule_is_the_private_euler_schedulers_own(pipelines, tiny_video_dirs, layout):
     pipeline = pipelines(layout)
     flow_shift = json.loads((tiny_video_dirs[layout] / "scheduler" / "scheduler_config.json").read_text())["flow_shift"]
@@ -117,6 +126,58 @@ def test_the_schedule_is_the_private_euler_schedulers_own(pipelines, tiny_video_
         assert pipeline.experts == ("transformer", "transformer_2")
     else:
         assert schedule.model_experts is None and pipeline.experts == ("transformer",)
+
+
+@pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
+def test_ltx_videos_ode_path_is_its_pipelines_own(pipelines, tiny_video_dirs, guided):
+    pipeline = pipelines("ltx", micro_batch_size=1)
+    scale = 3.0 if guided else 1.0
+    options = options_for("ltx", sde_type="ode", guidance_scale=scale, fps=24)
+    (rollout,) = sample(pipeline, ["a cat sitting on a red chair"], [11], options, negative_prompts=["blurry"]).samples
+    height, width = frame_size("ltx")
+    pipe = LTXPipeline.from_pretrained(tiny_video_dirs["ltx"], local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(
+        prompt="a cat sitting on a red chair", negative_prompt="blurry", height=height, width=width,
+        num_frames=LTX_FRAMES, frame_rate=24, num_inference_steps=STEPS, guidance_scale=scale,
+        max_sequence_length=TEXT_LENGTH,
+    )  # fmt: skip
+    tokens = pipe(**call, generator=torch.Generator().manual_seed(11), output_type="latent").frames
+    frames = pipe(**call, generator=torch.Generator().manual_seed(11), output_type="pt").frames[0]
+    latent_shape = pipeline.latent_shape(height, width, LTX_FRAMES)
+    assert torch.equal(rollout.final_latents, pipe._unpack_latents(tokens, *latent_shape[1:])[0])
+    assert rollout.image.shape == (3, LTX_FRAMES, height, width)
+    assert torch.equal(rollout.image, frames.permute(1, 0, 2, 3))
+
+
+def test_ltx_videos_schedule_is_its_schedulers_own_for_the_videos_token_count(pipelines):
+    """Dynamic shift over frames x rows x columns of latent tokens, then stretched to 0.1."""
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+    pipeline = pipelines("ltx")
+    height, width = frame_size("ltx")
+    schedules = {}
+    for frames in (9, 33):
+        _, latent_frames, rows, columns = pipeline.latent_shape(height, width, frames)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipeline.scheduler.config)
+        config = scheduler.config
+        mu = calculate_shift(latent_frames * rows * columns, config.base_image_seq_len, config.max_image_seq_len,
+                             config.base_shift, config.max_shift)  # fmt: skip
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 10, 10), mu=mu)
+        schedules[frames] = pipeline.schedule(10, height, width, frames)
+        assert torch.equal(schedules[frames].sigmas, scheduler.sigmas)
+        assert torch.equal(schedules[frames].model_timesteps, scheduler.timesteps)
+        assert math.isclose(schedules[frames].sigmas[-2].item(), 0.1, rel_tol=1e-5)
+    assert not torch.equal(schedules[9].sigmas, schedules[33].sigmas)  # more frames, more shift
+
+
+def test_ltx_videos_frame_rate_is_a_model_input_kept_for_replay(pipelines):
+    pipeline = pipelines("ltx")
+    at = {fps: sample(pipeline, ["a cat"], [4], options_for("ltx", fps=fps, return_denoising_env=True)) for fps in (12, 24)}
+    assert not torch.equal(at[12].samples[0].final_latents, at[24].samples[0].final_latents)
+    (video,) = at[12].samples
+    assert video.denoising_env["image_kwargs"]["frame_rate"].item() == 12
+    assert torch.equal(replay_log_probs(pipeline, at[12].schedule, at[12].options, [video]).log_probs[0], video.log_probs)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -191,6 +252,8 @@ def test_frame_counts_the_model_cannot_make_are_refused_before_sampling(pipeline
         pipeline.latent_shape(height, width, 4 * 1024 + 1)
     with pytest.raises(InvalidRequestError, match="height.*multiple of 16"):
         pipeline.latent_shape(40, width, 5)
+    with pytest.raises(InvalidRequestError, match="num_frames.*must be 8k \\+ 1 for model 'ltx'"):
+        pipelines("ltx").latent_shape(*frame_size("ltx"), 5)
     image_model = load_pipeline("sd3", tiny_family_dirs["sd3"], device="cpu")
     with pytest.raises(InvalidRequestError, match="'sd3' generates images: must be 1, got 5") as refused:
         sample(image_model, ["a cat"], [0], SamplingOptions(height=64, width=64, num_frames=5))
@@ -198,8 +261,8 @@ def test_frame_counts_the_model_cannot_make_are_refused_before_sampling(pipeline
 
 
 def test_the_family_is_read_from_model_index(tiny_video_dirs):
-    for path in tiny_video_dirs.values():
-        assert resolve_model(None, path) == ("wan", path)
+    for layout, path in tiny_video_dirs.items():
+        assert resolve_model(None, path) == ("ltx" if layout == "ltx" else "wan", path)
 
 
 @pytest.mark.parametrize("experts", [["transformer_2"], ["transformer", "transformer_2"]], ids=["low-noise", "both"])
@@ -227,3 +290,30 @@ def test_a_lora_update_on_one_expert_or_both_replays_exactly(tiny_video_dirs, ex
     batch = sample(served, ["a cat", "a dog"], [0, 1], options)
     replayed = replay_log_probs(trainer, batch.schedule, batch.options, batch.samples)
     assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+
+
+def test_a_video_is_written_as_an_h264_mp4_close_to_its_frames(pipelines, tmp_path):
+    av = pytest.importorskip("av")  # the `video` extra, which the set-up installs
+    pipeline = pipelines("wan21")
+    videos = sample(pipeline, ["a cat", "a dog"], [0, 1], options_for("wan21", sde_type="ode")).samples
+    path = write_mp4(videos[0].image, tmp_path / "cat.mp4", fps=8)
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        assert stream.codec_context.name == "h264" and stream.average_rate == 8
+        decoded = torch.tensor(np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]))
+    height, width = frame_size("wan21")
+    assert decoded.shape == (FRAMES, height, width, 3)
+    # Lossy (yuv420p keeps colour at a quarter of the pixels, which on these noise-like frames costs
+    # most), but by brightness its own frames, not another video's.
+    brightness = decoded.float().mean(-1)
+    own, other = (frames_as_uint8(v.image).float().mean(0) for v in videos)  # [F, H, W]
+    assert (brightness - own).abs().mean() < 0.5 * (brightness - other).abs().mean()
+    with pytest.raises(InvalidRequestError, match="fps"):
+        write_mp4(videos[0].image, tmp_path / "bad.mp4", fps=0)
+
+
+def test_uint8_frames_round_to_the_nearest_level():
+    frames = torch.tensor([0.0, 0.5 / 255, 0.6 / 255, 0.5, 1.0, 1.2, -0.1]).view(1, 7, 1, 1).expand(3, 7, 1, 1)
+    assert frames_as_uint8(frames)[0, :, 0, 0].tolist() == [0, 0, 1, 128, 255, 255, 0]
+    with pytest.raises(ValueError, match=r"\[3, F, H, W\]"):
+        frames_as_uint8(torch.zeros(3, 8, 8))

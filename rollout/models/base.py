@@ -387,8 +387,8 @@ class RolloutPipeline(Protocol):
         """
         ...
 
-    def schedule(self, num_steps: int, height: int, width: int) -> ScheduleSnapshot:
-        """The schedule of a request of this size, from a private copy of the scheduler
+    def schedule(self, num_steps: int, height: int, width: int, num_frames: int = 1) -> ScheduleSnapshot:
+        """The schedule of a request of this size (and frame count), from a private copy of the scheduler
         (`ScheduleSnapshot.from_scheduler`, called as the family's diffusers pipeline calls
         `set_timesteps`), with the family's transformer time input."""
         ...

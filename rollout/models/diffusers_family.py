@@ -180,7 +180,7 @@ class DiffusersFamily:
         _, latent_height, latent_width = self.latent_shape(height, width)
         return (latent_height // self.patch_size) * (latent_width // self.patch_size)
 
-    def schedule(self, num_steps: int, height: int, width: int) -> ScheduleSnapshot:
+    def schedule(self, num_steps: int, height: int, width: int, num_frames: int = 1) -> ScheduleSnapshot:
         return ScheduleSnapshot.from_scheduler(
             self.scheduler,
             num_steps,

@@ -208,7 +208,7 @@ class DigitFlowPipeline:
                 )
         return (1, IMAGE_SIZE, IMAGE_SIZE)
 
-    def schedule(self, num_steps: int, height: int, width: int) -> ScheduleSnapshot:
+    def schedule(self, num_steps: int, height: int, width: int, num_frames: int = 1) -> ScheduleSnapshot:
         return ScheduleSnapshot.from_scheduler(self.scheduler, num_steps, model_timesteps=timesteps_as_they_are)
 
     def _class_ids(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> tuple[list[int], list[int]]:

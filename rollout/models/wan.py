@@ -104,8 +104,8 @@ class WanFamily(DiffusersFamily):
             )
         return (self.latent_channels, latent_frames, height // self.vae_scale_factor, width // self.vae_scale_factor)
 
-    def schedule(self, num_steps: int, height: int, width: int) -> ScheduleSnapshot:
-        snapshot = super().schedule(num_steps, height, width)
+    def schedule(self, num_steps: int, height: int, width: int, num_frames: int = 1) -> ScheduleSnapshot:
+        snapshot = super().schedule(num_steps, height, width, num_frames)
         if self.boundary_timestep is None:
             return snapshot
         # The pipeline's rule, `t >= boundary` for the high-noise `transformer`, on the scheduler's own timesteps.
