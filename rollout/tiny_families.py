@@ -487,6 +487,29 @@ def _wan21_vae() -> AutoencoderKLWan:
     )
 
 
+def _save_wan(
+    path: Path, vae: AutoencoderKLWan, flow_shift: float, transformer_heads: int, two_experts: bool = False, **config
+) -> Path:
+    """A tiny `WanPipeline` on `vae` (UMT5 of width 32, the published UniPC scheduler at `flow_shift`),
+    with a second, differently drawn transformer as `transformer_2` if `two_experts`, saved to `path`."""
+    tokenizer = _t5_tokenizer()
+    text_encoder = _t5_encoder(tokenizer, d_model=32, umt5=True)
+    denoisers = {"transformer": _wan_transformer(text_encoder.config.d_model, vae.config.z_dim, transformer_heads)}
+    if two_experts:
+        torch.manual_seed(_SEED + 1)
+        denoisers["transformer_2"] = WanTransformer3DModel.from_config(denoisers["transformer"].config)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=_wan_scheduler(flow_shift=flow_shift),
+        **denoisers,
+        **config,
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
 def build_tiny_wan21(path: Path, transformer_heads: int = 2) -> Path:
     """Save a tiny Wan2.1-T2V-like `WanPipeline` to `path` and return `path`.
 
@@ -494,47 +517,22 @@ def build_tiny_wan21(path: Path, transformer_heads: int = 2) -> Path:
     (16 latent channels), Wan2.1's `AutoencoderKLWan` layout and statistics, and the published
     scheduler: UniPC multistep on flow sigmas, `flow_shift` 3.0.
     """
-    tokenizer = _t5_tokenizer()
-    text_encoder = _t5_encoder(tokenizer, d_model=32, umt5=True)
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=_wan21_vae(),
-        scheduler=_wan_scheduler(flow_shift=3.0),
-        transformer=_wan_transformer(text_encoder.config.d_model, _LATENT_CHANNELS, transformer_heads),
-    )
-    pipe.save_pretrained(path)
-    return path
+    return _save_wan(path, _wan21_vae(), flow_shift=3.0, transformer_heads=transformer_heads)
 
 
 def build_tiny_wan22_a14b(path: Path, transformer_heads: int = 2) -> Path:
     """Save a tiny Wan2.2-T2V-A14B-like `WanPipeline`: two experts, `transformer` for the high-noise
     steps and `transformer_2` (other weights) for the rest, switching at `boundary_ratio` 0.875, on
     Wan2.1's VAE; scheduler `flow_shift` 3.0."""
-    tokenizer = _t5_tokenizer()
-    text_encoder = _t5_encoder(tokenizer, d_model=32, umt5=True)
-    high_noise = _wan_transformer(text_encoder.config.d_model, _LATENT_CHANNELS, transformer_heads)
-    torch.manual_seed(_SEED + 1)
-    low_noise = WanTransformer3DModel.from_config(high_noise.config)
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=_wan21_vae(),
-        scheduler=_wan_scheduler(flow_shift=3.0),
-        transformer=high_noise,
-        transformer_2=low_noise,
-        boundary_ratio=0.875,
+    return _save_wan(
+        path, _wan21_vae(), flow_shift=3.0, transformer_heads=transformer_heads, two_experts=True, boundary_ratio=0.875
     )
-    pipe.save_pretrained(path)
-    return path
 
 
 def build_tiny_wan22_ti2v(path: Path, transformer_heads: int = 2) -> Path:
     """Save a tiny Wan2.2-TI2V-5B-like `WanPipeline`: one transformer on 48 latent channels with a
     time input per token (`expand_timesteps`), and the Wan2.2 VAE layout (residual blocks, 2x2
     patchified pixels, 16x spatial compression, its 48 channel statistics); scheduler `flow_shift` 5.0."""
-    tokenizer = _t5_tokenizer()
-    text_encoder = _t5_encoder(tokenizer, d_model=32, umt5=True)
     torch.manual_seed(_SEED)
     vae = AutoencoderKLWan(
         base_dim=8,
@@ -552,17 +550,7 @@ def build_tiny_wan22_ti2v(path: Path, transformer_heads: int = 2) -> Path:
         scale_factor_temporal=4,
         scale_factor_spatial=16,
     )
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=vae,
-        scheduler=_wan_scheduler(flow_shift=5.0),
-        transformer=_wan_transformer(text_encoder.config.d_model, vae.config.z_dim, transformer_heads),
-        expand_timesteps=True,
-    )
-    pipe.save_pretrained(path)
-    return path
-
+    return _save_wan(path, vae, flow_shift=5.0, transformer_heads=transformer_heads, expand_timesteps=True)
 
 # LTX-Video's published scheduler: dynamic shift over the video's latent tokens, stretched to 0.1.
 _LTX_SCHEDULER = {

@@ -222,6 +222,18 @@ def check_image_frames(num_frames: int, model: str) -> None:
         raise InvalidRequestError("num_frames", f"model {model!r} generates images: must be 1, got {num_frames}")
 
 
+def latent_frame_count(num_frames: int, frames_per_latent: int, model: str) -> int:
+    """Latent frames of a causal video VAE that makes `frames_per_latent` frames of each latent frame
+    after the first; raises `InvalidRequestError` naming ``num_frames`` unless it is that times k, plus 1."""
+    if (num_frames - 1) % frames_per_latent:
+        raise InvalidRequestError(
+            "num_frames",
+            f"must be {frames_per_latent}k + 1 for model {model!r} (its VAE makes {frames_per_latent} frames of "
+            f"each latent frame after the first), got {num_frames}",
+        )
+    return (num_frames - 1) // frames_per_latent + 1
+
+
 def check_single_denoiser(expert: int) -> None:
     """A model with one denoiser runs every step with it: expert 0."""
     if expert != 0:

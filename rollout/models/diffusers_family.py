@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import diffusers
 import numpy as np
@@ -289,6 +289,15 @@ class DiffusersFamily:
         with torch.no_grad():
             images = [self.decode_latents(padded[call]) for call in calls]
         return self.pipe.image_processor.postprocess(torch.cat(images)[:batch_size], output_type="pt").float()
+
+    def decode_videos(self, latents: torch.Tensor, decode_one: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Videos `(B, C, F, H, W)` in [0, 1] (SGLang's layout) of `(B, *latent_shape)` latents, each
+        decoded alone by `decode_one` (a `(1, *latent_shape)` latent to the VAE's frames in [-1, 1]),
+        so a video's bits and the VAE's memory do not depend on the request."""
+        with torch.no_grad():
+            # (1, F, C, H, W) each, as the pipelines return them.
+            videos = [self.pipe.video_processor.postprocess_video(decode_one(latent), output_type="pt") for latent in latents.split(1)]
+        return torch.cat(videos).permute(0, 2, 1, 3, 4).float()
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """The VAE's images in [-1, 1] for latents `(n, *latent_shape)`."""

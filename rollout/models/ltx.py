@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollout.errors import InvalidRequestError
-from rollout.models.base import Conditioning, ImageSizeLimits, check_single_denoiser
+from rollout.models.base import Conditioning, ImageSizeLimits, check_single_denoiser, latent_frame_count
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
@@ -65,14 +64,7 @@ class LTXVideoFamily(DiffusersFamily):
 
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         self.image_size_limits.check(height, width, self.name)
-        per_latent = self.frames_per_latent * self.transformer.config.patch_size_t
-        if (num_frames - 1) % per_latent:
-            raise InvalidRequestError(
-                "num_frames",
-                f"must be {per_latent}k + 1 for model {self.name!r} (its VAE makes {per_latent} frames of each "
-                f"latent frame after the first), got {num_frames}",
-            )
-        latent_frames = (num_frames - 1) // self.frames_per_latent + 1
+        latent_frames = latent_frame_count(num_frames, self.frames_per_latent, self.name)
         return (self.latent_channels, latent_frames, height // self.vae_scale_factor, width // self.vae_scale_factor)
 
     def schedule(self, num_steps: int, height: int, width: int, num_frames: int = 1) -> ScheduleSnapshot:
@@ -149,11 +141,9 @@ class LTXVideoFamily(DiffusersFamily):
         vae = self.vae
         # A VAE conditioned on a decode timestep gets the pipeline's default: 0, with no noise mixed in.
         timestep = torch.zeros(1, device=latents.device, dtype=self.dtype) if vae.config.timestep_conditioning else None
-        videos = []
-        with torch.no_grad():
-            for latent in latents.split(1):
-                latent = self.pipe._denormalize_latents(latent, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
-                video = vae.decode(latent.to(self.dtype).to(vae.dtype), timestep, return_dict=False)[0]
-                frames = self.pipe.video_processor.postprocess_video(video, output_type="pt")
-                videos.append(frames.permute(0, 2, 1, 3, 4).float())
-        return torch.cat(videos)
+
+        def decode_one(latent: torch.Tensor) -> torch.Tensor:
+            latent = self.pipe._denormalize_latents(latent, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+            return vae.decode(latent.to(self.dtype).to(vae.dtype), timestep, return_dict=False)[0]
+
+        return self.decode_videos(latents, decode_one)

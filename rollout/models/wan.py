@@ -32,7 +32,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.errors import InvalidRequestError
-from rollout.models.base import Conditioning, ImageSizeLimits
+from rollout.models.base import Conditioning, ImageSizeLimits, latent_frame_count
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
@@ -88,13 +88,7 @@ class WanFamily(DiffusersFamily):
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         self.image_size_limits.check(height, width, self.name)
         per_latent = self.frames_per_latent
-        if (num_frames - 1) % per_latent:
-            raise InvalidRequestError(
-                "num_frames",
-                f"must be {per_latent}k + 1 for model {self.name!r} (its VAE makes {per_latent} frames of each "
-                f"latent frame after the first), got {num_frames}",
-            )
-        latent_frames = (num_frames - 1) // per_latent + 1
+        latent_frames = latent_frame_count(num_frames, per_latent, self.name)
         positions = self.transformer.config.rope_max_seq_len
         if latent_frames > positions:
             raise InvalidRequestError(
@@ -160,11 +154,6 @@ class WanFamily(DiffusersFamily):
         inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(
             latents.device, self.vae.dtype
         )
-        videos = []
-        with torch.no_grad():
-            for latent in latents.to(self.vae.dtype).split(1):
-                video = self.vae.decode(latent / inverse_std + mean, return_dict=False)[0]
-                # (1, F, C, H, W) in [0, 1], as the pipeline's output, then SGLang's (1, C, F, H, W).
-                frames = self.pipe.video_processor.postprocess_video(video, output_type="pt")
-                videos.append(frames.permute(0, 2, 1, 3, 4).float())
-        return torch.cat(videos)
+        return self.decode_videos(
+            latents, lambda latent: self.vae.decode(latent.to(self.vae.dtype) / inverse_std + mean, return_dict=False)[0]
+        )
