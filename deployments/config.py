@@ -50,8 +50,8 @@ class ModelConfig(BaseModel):
 
     name: str | None = Field(
         None,
-        description="Model, as `rollout.models.registry` knows it: the embedded model, 'sd3', 'flux' or "
-        "'qwenimage'. None: read the family from `path`'s model_index.json (the embedded model without a path).",
+        description="Model, as `rollout.models.registry` knows it: the embedded model, 'sd3', 'flux', "
+        "'qwenimage', 'wan' or 'ltx'. None: read the family from `path`'s model_index.json (the embedded model without a path).",
     )
     path: str | None = Field(
         None, description="Local diffusers directory to load from (on every worker node); None: the packaged weights."
@@ -75,6 +75,11 @@ class ModelConfig(BaseModel):
     max_sequence_length: int | None = Field(
         None, ge=1, description="Text tokens every prompt is padded or truncated to; None: the family's default."
     )
+    vae_tiling: bool | None = Field(
+        None,
+        description="Decode with the VAE's own spatial tiling (diffusers' `enable_tiling`; frames above the VAE's "
+        "tile size only). None: on for video families (wan, ltx), off for image families.",
+    )
     # On a cluster the builder may run on a node without the weights (a CPU head, GPU workers scaled
     # to zero): there a bad directory can only fail the worker replicas' start.
     check_path_at_build: bool = Field(
@@ -95,7 +100,7 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _loadable(self) -> "ModelConfig":
         try:
-            check_model_choice(self.name, self.path, self.max_sequence_length)
+            check_model_choice(self.name, self.path, self.max_sequence_length, self.vae_tiling)
             if self.path is not None and self.check_path_at_build:
                 check_model_directory(self.name, self.path)
         except ModelLoadError as error:

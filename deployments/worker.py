@@ -79,7 +79,9 @@ class RolloutWorker:
         dtype = getattr(torch, config.model.dtype)
         model = config.model
         name, self.model_path = resolve_model(model.name, model.path)
-        self.pipeline = load_pipeline(name, self.model_path, dtype=dtype, max_sequence_length=model.max_sequence_length)
+        self.pipeline = load_pipeline(
+            name, self.model_path, dtype=dtype, max_sequence_length=model.max_sequence_length, vae_tiling=model.vae_tiling
+        )
         self.pipeline.micro_batching = model.micro_batching(self.pipeline.micro_batching.default)
         if self.pipeline.micro_batching.invariance is BatchInvariance.KERNELS:
             # On the sampling thread: its torch threads are part of what the kernels do.

@@ -17,7 +17,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline, WanPipeline
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from rollout.errors import InvalidRequestError
+from rollout.errors import InvalidRequestError, ModelLoadError
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.options import SamplingOptions
@@ -107,6 +107,43 @@ def test_the_ode_path_reproduces_the_diffusers_pipeline_with_its_euler_scheduler
     # The pipeline's frames are (F, C, H, W); a row's are SGLang's (C, F, H, W).
     assert rollout.image.shape == (3, FRAMES, height, width)
     assert torch.equal(rollout.image, frames.permute(1, 0, 2, 3))
+
+
+# Frames above each VAE's tile size (Wan 256 px, LTX-Video 512 px), so that tiles are decoded and blended.
+TILED_SIZES = {"wan21": (288, 320), "ltx": (544, 544)}
+
+
+@pytest.mark.parametrize("layout", ["wan21", "ltx"])
+def test_video_vaes_decode_in_their_own_tiles_as_the_pipeline_with_tiling_does(tiny_video_dirs, layout):
+    path = tiny_video_dirs[layout]
+    tiled = load_pipeline(None, path, device="cpu", micro_batching=MicroBatching(1), max_sequence_length=TEXT_LENGTH)
+    untiled = load_pipeline(None, path, device="cpu", max_sequence_length=TEXT_LENGTH, vae_tiling=False)
+    assert tiled.vae_tiling and not untiled.vae_tiling
+    height, width = TILED_SIZES[layout]
+    options = SamplingOptions(
+        num_inference_steps=2, height=height, width=width, num_frames=frames_of(layout), sde_type="ode", guidance_scale=1.0
+    )  # fmt: skip
+    (rollout,) = sample(tiled, ["a cat"], [3], options).samples
+
+    pipe = euler_pipeline(path) if layout == "wan21" else LTXPipeline.from_pretrained(path, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.vae.enable_tiling()
+    frames = pipe(
+        prompt="a cat", negative_prompt="", height=height, width=width, num_frames=frames_of(layout),
+        num_inference_steps=2, guidance_scale=1.0, max_sequence_length=TEXT_LENGTH,
+        generator=torch.Generator().manual_seed(3), output_type="pt",
+    ).frames[0]  # fmt: skip
+    assert torch.equal(rollout.image, frames.permute(1, 0, 2, 3))
+    # The tiles were blended: untiled, the same latents decode to other bits.
+    assert not torch.equal(untiled.decode(rollout.final_latents[None])[0], rollout.image)
+
+
+def test_image_families_decode_untiled_unless_asked(tiny_family_dirs):
+    assert not load_pipeline("sd3", tiny_family_dirs["sd3"], device="cpu").vae.use_tiling
+    assert load_pipeline("sd3", tiny_family_dirs["sd3"], device="cpu", vae_tiling=True).vae.use_tiling
+    with pytest.raises(ModelLoadError, match="the embedded model has no VAE") as refused:
+        load_pipeline(vae_tiling=True)
+    assert refused.value.field == "model.vae_tiling"
 
 
 @pytest.mark.parametrize("layout", WAN_LAYOUTS)

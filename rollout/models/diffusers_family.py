@@ -72,6 +72,10 @@ class DiffusersFamily:
         pipe: the diffusers pipeline, used for its components and its own helper methods
             (`encode_prompt`, latent packing, the image processor), never for its loop.
         max_sequence_length: the text length every prompt is padded (or truncated) to.
+        vae_tiling: whether the VAE decodes in overlapping spatial tiles (diffusers'
+            `enable_tiling`; each VAE has its own tile size and only tiles larger frames). On by
+            default for video families, whose decoder activations at their published sizes are
+            what tiling bounds; off for image families, which decode as their pipelines do.
     """
 
     name: ClassVar[str]
@@ -82,7 +86,11 @@ class DiffusersFamily:
     default_num_frames: ClassVar[int] = 1  # an image
 
     def __init__(
-        self, pipe: Any, micro_batching: MicroBatching | None = None, max_sequence_length: int | None = None
+        self,
+        pipe: Any,
+        micro_batching: MicroBatching | None = None,
+        max_sequence_length: int | None = None,
+        vae_tiling: bool | None = None,
     ):
         self.pipe = pipe
         self.scheduler = pipe.scheduler
@@ -96,6 +104,9 @@ class DiffusersFamily:
         self.vae_scale_factor = self.spatial_scale_factor(pipe)
         self.default_height, self.default_width = self.default_size(pipe)
         self.experts = tuple(name for name in ("transformer", "transformer_2") if getattr(pipe, name, None) is not None)
+        self.vae_tiling = self.default_num_frames > 1 if vae_tiling is None else vae_tiling
+        if self.vae_tiling:
+            self.vae.enable_tiling()
 
     @classmethod
     def spatial_scale_factor(cls, pipe: Any) -> int:
@@ -116,6 +127,7 @@ class DiffusersFamily:
         device: str = "cpu",
         micro_batching: MicroBatching | None = None,
         max_sequence_length: int | None = None,
+        vae_tiling: bool | None = None,
     ) -> "DiffusersFamily":
         """Loads the family's diffusers pipeline from the local directory `path`; never downloads."""
         index = read_model_index(path)
@@ -134,7 +146,7 @@ class DiffusersFamily:
             if isinstance(module, nn.Module):
                 # `nn.Module.to`: diffusers' override warns on every call about fp32 modules these models lack.
                 nn.Module.to(module, device)
-        return cls(pipe, micro_batching=micro_batching, max_sequence_length=max_sequence_length)
+        return cls(pipe, micro_batching=micro_batching, max_sequence_length=max_sequence_length, vae_tiling=vae_tiling)
 
     @property
     def device(self) -> torch.device:

@@ -41,12 +41,16 @@ def available_models() -> list[str]:
     return sorted([EMBEDDED_MODEL, *_families()])
 
 
-def check_model_choice(name: str | None, path: str | Path | None, max_sequence_length: int | None = None) -> None:
-    """The rules a model's name, directory and text length meet without looking at the directory
-    (`check_model_directory` looks); raises `ModelLoadError` naming the field."""
+def check_model_choice(
+    name: str | None, path: str | Path | None, max_sequence_length: int | None = None, vae_tiling: bool | None = None
+) -> None:
+    """The rules a model's name, directory, text length and VAE tiling meet without looking at
+    the directory (`check_model_directory` looks); raises `ModelLoadError` naming the field."""
     embedded = name == EMBEDDED_MODEL or (name is None and path is None)
     if embedded and max_sequence_length is not None:
         raise ModelLoadError("model.max_sequence_length", "the embedded model has no text encoder")
+    if embedded and vae_tiling is not None:
+        raise ModelLoadError("model.vae_tiling", "the embedded model has no VAE (it samples pixels)")
     if not embedded and path is None:
         raise ModelLoadError("model.path", f"model {name!r} loads from a local diffusers directory: set model.path")
 
@@ -128,14 +132,17 @@ def load_pipeline(
     dtype: torch.dtype = torch.float32,
     micro_batching: MicroBatching | None = None,
     max_sequence_length: int | None = None,
+    vae_tiling: bool | None = None,
 ) -> RolloutPipeline:
     """Loads model `name` from `path` (see `resolve_model`) onto `device` (default: CUDA if present).
 
     Args:
         micro_batching: samples per transformer call; None keeps the model's own default.
         max_sequence_length: the text length prompts are padded to; None keeps the family's.
+        vae_tiling: decode with the VAE's own tiling; None: on for video families (see
+            `DiffusersFamily`).
     """
-    check_model_choice(name, path, max_sequence_length)
+    check_model_choice(name, path, max_sequence_length, vae_tiling)
     name, model_path = resolve_model(name, path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if name == EMBEDDED_MODEL:
@@ -145,5 +152,10 @@ def load_pipeline(
         return pipeline
     family = _families()[name]
     return family.from_pretrained(
-        model_path, torch_dtype=dtype, device=device, micro_batching=micro_batching, max_sequence_length=max_sequence_length
+        model_path,
+        torch_dtype=dtype,
+        device=device,
+        micro_batching=micro_batching,
+        max_sequence_length=max_sequence_length,
+        vae_tiling=vae_tiling,
     )

@@ -40,6 +40,7 @@ def test_build_app_takes_no_arguments_or_a_dict():
         ({"model": {"micro_batch_sizes": {"64x64": 0}}}, "model.micro_batch_sizes", "64x64: must be an integer >= 1"),
         ({"model": {"name": "flux"}}, "model.path", "loads from a local diffusers directory"),
         ({"model": {"max_sequence_length": 77}}, "model.max_sequence_length", "the embedded model has no text encoder"),
+        ({"model": {"vae_tiling": True}}, "model.vae_tiling", "the embedded model has no VAE"),
         ({"model": {"batch_invariance": "fast"}}, "model.batch_invariance", "Input should be 'padding' or 'kernels'"),
     ],
 )
