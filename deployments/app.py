@@ -22,6 +22,7 @@ from ray.serve.schema import LoggingConfig
 from deployments.config import AppConfigError, RolloutAppConfig
 from deployments.ingress import RolloutIngress
 from deployments.routing import FewestSamplesRouter
+from deployments.scorer import ScorerReplica
 from deployments.weights import WeightCoordinator
 from deployments.worker import RolloutWorker
 
@@ -31,9 +32,9 @@ SHUTDOWN_CHECK_PERIOD_S = 0.2
 # The coordinator's requests in flight at shutdown are the workers' 10 s long polls, which nobody
 # waits for once the application stops; Serve's default drain kept `serve run` up 10 s longer.
 COORDINATOR_SHUTDOWN_TIMEOUT_S = 0.2
-# A worker's calls all come from the ingress, which logs each request (HTTP or handle) once already:
-# Serve's access log of the worker's side repeated every request's line, and said less.
-WORKER_LOGGING = LoggingConfig(enable_access_log=False)
+# A worker's (and a scorer's) calls all come from the ingress or a trainer, which log each request
+# (HTTP or handle) once already: Serve's access log of their side repeated every request's line.
+NO_ACCESS_LOG = LoggingConfig(enable_access_log=False)
 
 
 def _worker_gpus(config: RolloutAppConfig) -> float:
@@ -72,7 +73,7 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
         request_router_config=RequestRouterConfig(request_router_class=FewestSamplesRouter),
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         health_check_period_s=config.worker_health_check_period_s,
-        logging_config=WORKER_LOGGING,
+        logging_config=NO_ACCESS_LOG,
         # Serve starts a replica whose constructor raised again, up to min(this, 3 per replica) times
         # in all before it marks the application DEPLOY_FAILED (ray/serve/_private/deployment_state.py):
         # one try per replica, as a model that cannot load fails every replica alike, after loading.
@@ -80,10 +81,23 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
         **drain,
         ray_actor_options={"num_cpus": config.worker_num_cpus, "num_gpus": _worker_gpus(config)},
     ).bind(config, coordinator)
+    scorers = {
+        name: ScorerReplica.options(
+            name=f"Scorer-{name}",
+            num_replicas=scorer.num_replicas,
+            # Parts of many requests wait on one replica and are scored together (deployments/scorer.py).
+            max_ongoing_requests=config.ingress_max_ongoing_requests,
+            graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+            logging_config=NO_ACCESS_LOG,
+            **drain,
+            ray_actor_options={"num_cpus": scorer.num_cpus, "num_gpus": scorer.num_gpus},
+        ).bind(name, scorer)
+        for name, scorer in config.scorers.items()
+    }
     ingress = RolloutIngress.options(
         max_ongoing_requests=config.ingress_max_ongoing_requests,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         **drain,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
     )
-    return ingress.bind(worker, coordinator, config)
+    return ingress.bind(worker, coordinator, config, scorers)

@@ -8,8 +8,9 @@ field: not every request, nor every worker replica at start.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -32,6 +33,7 @@ from rollout.models.base import MicroBatching
 from rollout.models.registry import EMBEDDED_MODEL, check_model_choice, check_model_directory
 from rollout.plan import RequestLimits
 from rollout.schema import RequestValidation
+from rollout.scorers.registry import BUILT_IN as BUILT_IN_SCORERS
 
 AUTH_TOKEN_ENV = "ROLLOUT_AUTH_TOKEN"
 
@@ -147,6 +149,40 @@ def nest_dotted_keys(args: dict) -> dict:
     return nested
 
 
+# A scorer's name is a key of rows' `rewards`, a Serve deployment's name and a log's word.
+SCORER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+class ScorerConfig(BaseModel):
+    """One scorer of the application: its own Serve deployment (`deployments/scorer.py`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str = Field(
+        description=f"A built-in scorer ({', '.join(sorted(BUILT_IN_SCORERS))}) or a user's class as "
+        "'package.module:Class' (rollout/scorers/base.py says what it must have)."
+    )
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the scorer's constructor.")
+    num_replicas: int = Field(1, ge=1, description="Replicas of the scorer's deployment.")
+    num_cpus: float = Field(0.5, ge=0, description="CPUs each replica reserves.")
+    num_gpus: float = Field(0, ge=0, description="GPUs each replica reserves (fractions share one).")
+    max_batch_size: int = Field(
+        64, ge=1, description="Most samples in one scorer call; waiting parts of any requests are scored together."
+    )
+    timeout_s: float = Field(60.0, gt=0, description="Seconds one part's scoring may take before it counts as failed.")
+    retry_attempts: int = Field(
+        3, ge=1, description="Tries of a part's scoring whose replica dies (the samples are kept and scored again)."
+    )
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        if kind not in BUILT_IN_SCORERS and not IMPORT_PATH.fullmatch(kind):
+            raise ValueError(f"must be one of {sorted(BUILT_IN_SCORERS)} or 'package.module:Class', got {short_repr(kind)}")
+        return kind
+
+
 class RolloutAppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -227,6 +263,12 @@ class RolloutAppConfig(BaseModel):
         ge=1,
         description="Samples admitted and not yet sampled beyond which requests are refused with 503 (HTTP) "
         "or OverloadedError (handle); None: 4 full batches per worker replica.",
+    )
+    scorers: dict[str, ScorerConfig] = Field(
+        default_factory=dict,
+        description="Scorers by the name requests give in rollout_reward_models, each its own deployment, e.g. "
+        "{'pickscore': {'kind': 'clip', 'options': {'path': '/models/pickscore', 'kind': 'pickscore'}, "
+        "'num_gpus': 0.25}}. Left out, the embedded model comes with its own two, 'ink' and 'digits'.",
     )
     probe_port: int | None = Field(
         None,
@@ -311,6 +353,20 @@ class RolloutAppConfig(BaseModel):
                 "so that clients slow to send their bodies cannot hold every slot of the ingress"
             )
         return self
+
+    @model_validator(mode="after")
+    def _embedded_models_scorers(self) -> "RolloutAppConfig":
+        if "scorers" not in self.model_fields_set and self.model.path is None and self.model.name in (None, EMBEDDED_MODEL):
+            self.scorers = {name: ScorerConfig(kind=name, num_cpus=0.1) for name in ("ink", "digits")}
+        return self
+
+    @field_validator("scorers")
+    @classmethod
+    def _scorer_names(cls, scorers: dict[str, ScorerConfig]) -> dict[str, ScorerConfig]:
+        for name in scorers:
+            if not SCORER_NAME.fullmatch(name):
+                raise ValueError(f"names are 1-64 letters, digits, '_', '.' or '-', got {short_repr(name)}")
+        return scorers
 
     def queued_samples_limit(self) -> int:
         return self.max_queued_samples or 4 * self.num_worker_replicas * self.max_batch_size

@@ -14,6 +14,8 @@ tests), so it is tested without Serve, as `deployments/batching.py` is:
 - fetch: a part whose worker replica died, or whose reference died with the ingress that owned it,
   is sampled again: sampling is seeded, so its samples are bit-identical. After
   `worker_retry_attempts` tries, `WorkerLostError`;
+- score: a request that asks for rewards has each part scored as soon as it is fetched
+  (`deployments/scoring.py`);
 - cancel: interrupted (the client went away, the deadline passed, the server is stopping), the
   parts still queued on the workers are cancelled;
 - deadline: past `rollout_timeout_s` (or the app's `request_timeout_s`) the request fails with
@@ -39,6 +41,7 @@ import ray
 
 from deployments.config import RolloutAppConfig
 from deployments.ray_private import object_ref
+from deployments.scoring import RequestScoring, Scorers
 from rollout.errors import InvalidRequestError, RolloutError
 from rollout.plan import DeadlineExceededError, RolloutPlan, SamplingWork
 from rollout.trajectory import RolloutBatch
@@ -124,10 +127,17 @@ class RolloutResult:
     parts: tuple[Any, ...]
     workers: Workers
     max_attempts: int
+    scoring: RequestScoring | None = None
 
     async def worker_results_async(self, timeout_s: float | None = None) -> list[WorkerResult]:
-        """Every part's `WorkerResult`, in order; `timeout_s` bounds the whole fetch (`FetchTimeoutError`)."""
-        fetches = asyncio.gather(*(self._fetched(part, work) for part, work in zip(self.parts, self.works)))
+        """Every part's `WorkerResult`, in order, its samples scored when the request asked for
+        rewards (`deployments/scoring.py`); `timeout_s` bounds the whole fetch (`FetchTimeoutError`).
+        Fetching again after a failure re-uses the parts sampled: nothing is sampled twice."""
+        fetches = [self._fetched(part, work) for part, work in zip(self.parts, self.works)]
+        if self.scoring is None:
+            fetches = asyncio.gather(*fetches)
+        else:
+            fetches = self.scoring.scored(fetches, [len(work) for work in self.works])
         try:
             return list(await asyncio.wait_for(fetches, timeout_s))
         except asyncio.TimeoutError:
@@ -181,10 +191,18 @@ class Dispatcher:
         workers: where the parts are sampled.
         config: the app's limits (chunking, queue, retries, deadlines, shutdown grace).
         queued_on_workers: the samples sent to the workers and not yet answered (the router's count).
+        scorers: where the samples of requests that ask for rewards are scored.
     """
 
-    def __init__(self, workers: Workers, config: RolloutAppConfig, queued_on_workers: Callable[[], int]):
+    def __init__(
+        self,
+        workers: Workers,
+        config: RolloutAppConfig,
+        queued_on_workers: Callable[[], int],
+        scorers: Scorers | None = None,
+    ):
         self.workers = workers
+        self.scorers = scorers
         self.config = config
         self._queued_on_workers = queued_on_workers
         self._routing_samples = 0  # admitted, not yet placed on a worker replica
@@ -233,6 +251,7 @@ class Dispatcher:
             tuple(parts),
             self.workers,
             self.config.worker_retry_attempts,
+            None if plan.rewards is None else RequestScoring(plan.rewards, plan.num_outputs_per_prompt, self.scorers, self.config.scorers),
         )
 
     async def sampled(self, plan: RolloutPlan) -> list[WorkerResult]:

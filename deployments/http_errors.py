@@ -33,6 +33,7 @@ from rollout.errors import (
     InvalidRequestError,
     RequestSchemaError,
     RolloutError,
+    ScorerError,
 )
 from rollout.plan import DeadlineExceededError
 
@@ -68,6 +69,7 @@ ERROR_ANSWERS: dict[type[Exception], ErrorAnswer] = {
     MemoryReleasedError: ErrorAnswer(503, lambda _: "Server is sleeping. Call resume_memory_occupation first."),
     DeadlineExceededError: ErrorAnswer(504, field="rollout_timeout_s"),
     ServiceUnavailableError: ErrorAnswer(503, lambda error: f"Service unavailable: {error}"),
+    ScorerError: ErrorAnswer(502, lambda error: f"Reward failed: {error}", field="rollout_reward_models"),
     RolloutError: ErrorAnswer(500, lambda error: f"Generation failed: {error}"),
 }
 

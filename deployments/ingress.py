@@ -19,6 +19,7 @@ from deployments.config import RolloutAppConfig
 from deployments.dispatch import Dispatcher, ServeWorkers
 from deployments.load import outstanding_samples
 from deployments.probes import ProbeServer
+from deployments.scoring import ServeScorers
 from deployments.routes import discovery, generate, health, memory, mount, weights
 
 logger = logging.getLogger("ray.serve")
@@ -38,13 +39,19 @@ require_bearer_token(app)
 @serve.deployment
 @serve.ingress(app)
 class RolloutIngress(*CONCERNS):
-    async def __init__(self, worker: DeploymentHandle, coordinator: DeploymentHandle, config: RolloutAppConfig):
+    async def __init__(
+        self,
+        worker: DeploymentHandle,
+        coordinator: DeploymentHandle,
+        config: RolloutAppConfig,
+        scorers: dict[str, DeploymentHandle] | None = None,
+    ):
         self.worker = worker
         self.coordinator = coordinator
         self.config = config
         self.bodies = BodyReader(config)
         self.started = int(time.time())
-        self.dispatcher = Dispatcher(ServeWorkers(worker), config, outstanding_samples)
+        self.dispatcher = Dispatcher(ServeWorkers(worker), config, outstanding_samples, ServeScorers(scorers or {}))
         self.worker_status = health.WorkerStatus(asyncio.get_running_loop())
         self._probes = None if config.probe_port is None else ProbeServer(config.probe_host, config.probe_port, self.probe)
         # `serve run config.yaml` says nothing after "Submitted deploy config successfully.": this is

@@ -47,6 +47,10 @@ class WorkerResult:
         peak_memory_mb: peak accelerator memory allocated during that call; None on the CPU.
         replica: the worker replica that sampled them.
         node_id: the Ray node it runs on.
+        reward_time_s: for a request scored in the rollout, the wall time during which any of its
+            scoring calls ran (`deployments/scoring.py`); the same for every part of the request.
+        reward_wait_s: of that, what came after its last part was fetched: the reward time not
+            hidden behind sampling.
     """
 
     batch: RolloutBatch
@@ -56,6 +60,8 @@ class WorkerResult:
     peak_memory_mb: float | None
     replica: str
     node_id: str
+    reward_time_s: float | None = None
+    reward_wait_s: float | None = None
 
 
 def _sample_measured(pipeline: RolloutPipeline, *args, **kwargs) -> tuple[SamplerCall, float | None]:

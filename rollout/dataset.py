@@ -6,7 +6,8 @@ schedule once (``schedule.sigmas``, ``schedule.timesteps``, ``schedule.model_tim
 ``index.json`` lists the shards, each with its byte size and SHA-256, the model that sampled it,
 the weight versions of its samples and its sampling options, and one record per sample (shard, row,
 prompt, seed, weight version, request; a tree rollout's leaf also its `branch_steps`,
-`branch_factors` and `branch_path`); ``complete`` says whether the writer was closed.
+`branch_factors` and `branch_path`; a scored sample its `rewards` and `advantages`); ``complete``
+says whether the writer was closed.
 
 Nothing is ever half-written: each file is written under a temporary name, synced, then renamed,
 and the index is rewritten after each shard, so a writer stopped at any moment (an exception, a
@@ -170,6 +171,9 @@ class RolloutDatasetWriter:
                 record.update(
                     branch_steps=list(branching.steps), branch_factors=list(branching.factors), branch_path=list(sample.branch_path)
                 )
+            for name in ("rewards", "advantages"):  # scored in the rollout (rollout/scorers)
+                if getattr(sample, name) is not None:
+                    record[name] = getattr(sample, name)
             self.samples.append({**record, **extra})
         self._write_index(complete=False)
         return path
@@ -354,6 +358,8 @@ def _load_shard(
             negative_prompt=record["negative_prompt"],
             seed=record["seed"],
             weight_version=record.get("weight_version"),
+            rewards=record.get("rewards"),
+            advantages=record.get("advantages"),
             **{name: tensors[name][row].clone() for name in PER_SAMPLE_TENSORS},
             **_branch_fields(record),
         )

@@ -105,3 +105,20 @@ class CodecError(RolloutError, ValueError):
 
 class NonFiniteOutputError(RolloutError):
     """Sampling produced NaN or infinite values: the request fails rather than return them as a rollout."""
+
+
+class ScorerError(RolloutError):
+    """A scorer failed or ran out of time on samples it was given; the message names the scorer.
+
+    Attributes:
+        scorer: the scorer's name, as the request names it in ``rollout_reward_models``.
+        reason: what went wrong.
+    """
+
+    def __init__(self, scorer: str, reason: str):
+        self.scorer = clip(scorer)
+        self.reason = clip(reason, _MAX_REASON_CHARS)
+        super().__init__(f"scorer {self.scorer!r}: {self.reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.scorer, self.reason))

@@ -10,6 +10,7 @@ Everything here raises `InvalidRequestError` naming the field (HTTP 400).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -120,6 +121,21 @@ class SamplingWork:
 
 
 @dataclass(frozen=True)
+class RewardPlan:
+    """What a request asks of the scorers.
+
+    Attributes:
+        scorers: the app's scorers to score every sample with, in the request's order.
+        group_advantages: also normalise each scorer's rewards within each prompt's group.
+        nulls_on_error: a failing scorer leaves nulls rather than failing the request.
+    """
+
+    scorers: tuple[str, ...]
+    group_advantages: bool = False
+    nulls_on_error: bool = False
+
+
+@dataclass(frozen=True)
 class RolloutPlan:
     """A validated request, fanned out into samples.
 
@@ -132,6 +148,7 @@ class RolloutPlan:
             i // num_outputs_per_prompt, seed `seed + i`.
         branching: the tree each root grows into: a prompt's samples are its roots' leaves, root
             after root (`rollout.tree`); no branch steps: every sample is a root.
+        rewards: the scorers to score its samples with; None: no rewards.
     """
 
     request_id: str
@@ -142,6 +159,7 @@ class RolloutPlan:
     negative_prompts: tuple[str, ...]
     seeds: tuple[int, ...]
     branching: Branching = Branching()
+    rewards: RewardPlan | None = None
 
     @property
     def num_outputs_per_prompt(self) -> int:
@@ -171,8 +189,11 @@ class RolloutPlan:
         ]
 
 
-def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str | None = None) -> RolloutPlan:
-    """Checks a request's values against the limits and the sampling rules; raises `InvalidRequestError`."""
+def plan_rollout(
+    request: RolloutRequest, limits: RequestLimits, request_id: str | None = None, scorers: Collection[str] = ()
+) -> RolloutPlan:
+    """Checks a request's values against the limits, the sampling rules and the app's `scorers`;
+    raises `InvalidRequestError`."""
     prompts = request.prompts()
     if not prompts:
         raise InvalidRequestError("prompt", "needs at least one prompt")
@@ -208,7 +229,32 @@ def plan_rollout(request: RolloutRequest, limits: RequestLimits, request_id: str
         negative_prompts=tuple(n for n in negative_prompts for _ in range(per_prompt)),
         seeds=tuple(range(seed, seed + num_samples)),
         branching=_branching(request, options),
+        rewards=_rewards(request, scorers),
     )
+
+
+def _rewards(request: RolloutRequest, scorers: Collection[str]) -> RewardPlan | None:
+    """The request's reward fields, checked against the scorers the app configured."""
+    if request.rollout_advantages not in (None, "group"):
+        raise InvalidRequestError("rollout_advantages", f"must be 'group' or null, got {short_repr(request.rollout_advantages)}")
+    if request.rollout_reward_on_error not in ("fail", "null"):
+        raise InvalidRequestError(
+            "rollout_reward_on_error", f"must be 'fail' or 'null', got {short_repr(request.rollout_reward_on_error)}"
+        )
+    names = request.rollout_reward_models
+    if not names:
+        if request.rollout_advantages is not None:
+            raise InvalidRequestError("rollout_advantages", "needs rollout_reward_models: the rewards to normalise")
+        return None
+    unknown = [name for name in names if name not in scorers]
+    if unknown:
+        configured = sorted(scorers) or "none"
+        raise InvalidRequestError(
+            "rollout_reward_models", f"{short_repr(unknown[0])} is not a scorer of this server (configured: {configured})"
+        )
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("rollout_reward_models", "names a scorer twice")
+    return RewardPlan(tuple(names), request.rollout_advantages == "group", request.rollout_reward_on_error == "null")
 
 
 def _branching(request: RolloutRequest, options: SamplingOptions) -> Branching:

@@ -29,11 +29,14 @@ def response_rows(
     batch: RolloutBatch,
     inference_time_s: float,
     peak_memory_mb: float | None = None,
+    reward_times: tuple[float, float] | None = None,
 ) -> list[dict[str, Any]]:
     """One map per sample (a tree's leaf), in request order: SGLang's keys, then the extensions
     `prompt_index`, `sample_seed`, `weight_version`, `branch_path` (the leaf's child index at each
     branch step; [] unbranched) and `branch_seeds` (the seeds of the generators its noise came from,
-    root first: `rollout.tree`)."""
+    root first: `rollout.tree`); with `rollout_reward_models`, `rewards` {scorer: score},
+    `reward_time_s` and `reward_wait_s` (`reward_times`: the request's scoring time, and the part of
+    it after sampling) and, with `rollout_advantages`, `advantages` {scorer: advantage}."""
     request = plan.request
     kept_steps = torch.tensor(batch.options.kept_latent_steps(), dtype=torch.int64)
     trajectory_labels = {
@@ -62,9 +65,20 @@ def response_rows(
             "weight_version": sample.weight_version,
             "branch_path": list(sample.branch_path),
             "branch_seeds": list(sample.branching.branch_seeds(sample.root_seed, sample.branch_path)),
+            **_reward_fields(plan, sample, reward_times),
         }
         for i, sample in enumerate(batch.samples)
     ]
+
+
+def _reward_fields(plan: RolloutPlan, sample: SampleTrajectory, times: tuple[float, float] | None) -> dict[str, Any]:
+    if plan.rewards is None:
+        return {}
+    reward_time_s, reward_wait_s = times or (None, None)
+    fields = {"rewards": sample.rewards, "reward_time_s": reward_time_s, "reward_wait_s": reward_wait_s}
+    if plan.rewards.group_advantages:
+        fields["advantages"] = sample.advantages
+    return fields
 
 
 def _generated_output(output: torch.Tensor, video_dtype: str | None) -> torch.Tensor:

@@ -110,6 +110,21 @@ class RolloutRequest(BaseModel):
         description="(extension) Seconds the request may take; past them it fails (HTTP 504) and its work still "
         "queued is dropped. Default: the app's request_timeout_s.",
     )
+    rollout_reward_models: Items[str] | None = Field(
+        None,
+        description="(extension) Scorers of the app config (`scorers`) that score every sample as its part is "
+        "sampled; each row carries `rewards` {scorer: score}.",
+    )
+    rollout_advantages: str | None = Field(
+        None,
+        description="(extension) 'group': rows also carry `advantages` {scorer: advantage}, each reward against its "
+        "prompt's group as Flow-GRPO computes it, (r - mean) / (std + 1e-4), population std (rollout/advantages.py).",
+    )
+    rollout_reward_on_error: str = Field(
+        "fail",
+        description="(extension) A scorer that fails or times out: 'fail' fails the request naming the scorer (HTTP "
+        "502); 'null' leaves its rewards (and advantages) null.",
+    )
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)

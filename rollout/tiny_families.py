@@ -6,7 +6,8 @@ real shapes and configs a sampler depends on (16 latent channels, VAE scale fact
 FLUX/Qwen 2x2 packing, the real VAE scaling/shift, the real scheduler configs), then saves it with
 `save_pretrained`, so that tests can load it with `<Pipeline>.from_pretrained(path)` like a hub
 checkpoint. Tokenizers are made in code, so nothing is downloaded. Every component is built after
-`torch.manual_seed`, so two builds write byte-identical weights.
+`torch.manual_seed`, so two builds write byte-identical weights. `build_tiny_clip` does the same
+for a scorer's checkpoint, a transformers `CLIPModel` with its processor.
 
     path = build_tiny_flux(tmp_path / "flux")
     pipe = FluxPipeline.from_pretrained(path)
@@ -36,10 +37,15 @@ from diffusers import (
 )
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import (
+    CLIPConfig,
+    CLIPImageProcessor,
+    CLIPModel,
+    CLIPProcessor,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    CLIPVisionConfig,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
@@ -602,6 +608,58 @@ def build_tiny_ltx(path: Path, transformer_heads: int = 2) -> Path:
         transformer=transformer,
     )
     pipe.save_pretrained(path)
+    return path
+
+
+# openai/clip-vit-large-patch14's published preprocessor_config.json (written there in the older
+# form `size: 224, crop_size: 224`): resize the shortest edge (bicubic), centre-crop a square,
+# rescale to [0, 1], normalise with CLIP's mean and std.
+_CLIP_L14_IMAGE_PROCESSOR = {
+    "do_resize": True,
+    "size": {"shortest_edge": 224},
+    "resample": 3,  # bicubic
+    "do_center_crop": True,
+    "crop_size": {"height": 224, "width": 224},
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_convert_rgb": True,
+}
+
+
+def build_tiny_clip(path: Path, image_size: int = 32) -> Path:
+    """Save a tiny CLIP-like `CLIPModel` with its `CLIPProcessor` to `path` and return `path`: what
+    the CLIP scorers (`rollout.scorers.clip`) load.
+
+    Text and vision towers of width 32 with two layers (vision patch 8 on `image_size` px), a
+    projection of 16, the CLIP-style tokenizer, and openai/clip-vit-large-patch14's image processor
+    resizing and cropping to `image_size` instead of 224.
+    """
+    tokenizer = _clip_tokenizer()
+    tower = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    text_config = CLIPTextConfig(
+        **tower,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=tokenizer.model_max_length,
+        # The pooled output is read at the first end-of-text token, found by this id.
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision_config = CLIPVisionConfig(**tower, image_size=image_size, patch_size=8)
+    torch.manual_seed(_SEED)
+    model = CLIPModel(CLIPConfig(text_config=text_config, vision_config=vision_config, projection_dim=16))
+    image_processor = CLIPImageProcessor(
+        **{
+            **_CLIP_L14_IMAGE_PROCESSOR,
+            "size": {"shortest_edge": image_size},
+            "crop_size": {"height": image_size, "width": image_size},
+        }
+    )
+    model.save_pretrained(path)
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
     return path
 
 

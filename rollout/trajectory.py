@@ -71,6 +71,10 @@ class SampleTrajectory:
         branching: the branch steps and factors of the tree it is a leaf of (`rollout.tree`); none
             for an unbranched sample.
         branch_path: its child index at each branch step, from its root; () when unbranched.
+        rewards: its score by each scorer the request named (`rollout_reward_models`), None
+            where a scorer failed under `rollout_reward_on_error: "null"`; None: not scored.
+        advantages: each scorer's reward against its prompt's group (`rollout.advantages`),
+            when the request asked for them.
     """
 
     schedule: ScheduleSnapshot
@@ -87,6 +91,8 @@ class SampleTrajectory:
     denoising_env: dict[str, Any] | None = None
     branching: Branching = Branching()
     branch_path: tuple[int, ...] = ()
+    rewards: dict[str, float | None] | None = None
+    advantages: dict[str, float | None] | None = None
 
     @property
     def root_seed(self) -> int:

@@ -33,7 +33,7 @@ class GenerateRoutes:
         ignored = unknown_fields(request) if validation == "sglang" and isinstance(request, dict) else []
         if ignored:
             logger.warning("ignoring unknown request fields %s", [clip(name) for name in ignored[:10]])
-        return plan_rollout(parse_request(request, validation), self.config.limits)
+        return plan_rollout(parse_request(request, validation), self.config.limits, scorers=self.config.scorers.keys())
 
     async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
         """Handle API: validates and dispatches; raises `InvalidRequestError` naming a bad field."""
@@ -64,7 +64,8 @@ class GenerateRoutes:
             logger.exception("rollout request %s failed", request_id)
             return internal_error_response(request_id)
         peak_memory_mb = max((p.peak_memory_mb for p in parts if p.peak_memory_mb is not None), default=None)
-        rows = response_rows(plan, batch, time.perf_counter() - start, peak_memory_mb)
+        reward_times = None if parts[0].reward_time_s is None else (parts[0].reward_time_s, parts[0].reward_wait_s)
+        rows = response_rows(plan, batch, time.perf_counter() - start, peak_memory_mb, reward_times)
         if "application/json" in http_request.headers.get("accept", ""):
             return Response(to_json(rows), media_type="application/json")
         return Response(to_msgpack(rows), media_type=MSGPACK)

@@ -20,6 +20,7 @@ TEST_CONFIG = {
     # Long enough that concurrent requests reliably meet in one batch on a loaded machine.
     "batch_wait_timeout_s": 0.2,
     "body_timeout_s": 3.0,  # clients that stall mid-body are answered within a test's patience
+    "scorers": {},  # the embedded model's scorers are tests/deployments/test_rewards_app.py's
     "limits": {
         "max_prompts_per_request": 8,
         "max_outputs_per_prompt": 8,

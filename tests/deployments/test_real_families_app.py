@@ -7,10 +7,12 @@ same micro-batch size, so the same numbers.
 """
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import ray
 import torch
+import yaml
 from ray import serve
 
 from deployments.app import build_app
@@ -21,6 +23,9 @@ from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.rows import schedule_of_row
 from rollout.sampler import sample
+from rollout.scorers.base import ScoringSample
+from rollout.scorers.clip import ClipScorer
+from rollout.tiny_families import build_tiny_clip
 from tests.reference_bits import (
     REFERENCE,
     batch_records,
@@ -28,13 +33,30 @@ from tests.reference_bits import (
     field_digests,
 )
 
+REPOSITORY = Path(__file__).resolve().parents[2]
 FAMILIES = ["sd3", "flux", "qwenimage"]
 GUIDANCE = {"sd3": {"guidance_scale": 4.5}, "flux": {"true_cfg_scale": 2.5}, "qwenimage": {"true_cfg_scale": 4.0}}
 
 
 @pytest.fixture(scope="module")
-def family_apps(serve_app, tiny_family_dirs):
-    """Family -> (handle, url, local pipeline), every application deployed at once."""
+def tiny_clip(tmp_path_factory):
+    return build_tiny_clip(tmp_path_factory.mktemp("scorers") / "pickscore")
+
+
+def example_scorers(clip_path) -> dict:
+    """deployments/serve_config_rewards.yaml's scorers, on a tiny CLIP copy and the CPU."""
+    config = yaml.safe_load((REPOSITORY / "deployments/serve_config_rewards.yaml").read_text())
+    scorers = config["applications"][0]["args"]["scorers"]
+    for scorer in scorers.values():
+        scorer["options"].update(path=str(clip_path), dtype="float32")
+        scorer.update(num_gpus=0, num_cpus=0.1)
+    return scorers
+
+
+@pytest.fixture(scope="module")
+def family_apps(serve_app, tiny_family_dirs, tiny_clip):
+    """Family -> (handle, url, local pipeline), every application deployed at once; SD3's with the
+    rewards example's PickScore scorer."""
     _, base_url = serve_app
     targets = []
     for family in FAMILIES:
@@ -46,6 +68,7 @@ def family_apps(serve_app, tiny_family_dirs):
             "worker_num_cpus": 0.25,
             "worker_torch_threads": 1,
             "ingress_num_cpus": 0.1,
+            "scorers": example_scorers(tiny_clip) if family == "sd3" else {},
         }
         targets.append(serve.RunTarget(build_app(config), name=config["app_name"], route_prefix=f"/{family}"))
     handles = serve.run_many(targets)  # deployed side by side: each worker imports transformers
@@ -111,6 +134,19 @@ def test_handle_rollouts_replay_exactly(family_apps, family):
     assert all(s.schedule is batch.schedule for s in batch.samples)
     replayed = replay_log_probs(local, batch.schedule, batch.options, batch.samples)
     assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+
+
+def test_the_rewards_example_scores_a_real_family_with_pickscore(family_apps, tiny_clip, http):
+    _, url, _ = family_apps["sd3"]
+    body = {"prompt": ["a red cube", "a cat"], "num_outputs_per_prompt": 2, "num_inference_steps": 2, "height": 32,
+            "width": 32, "seed": 1, "rollout_reward_models": ["pickscore"], "rollout_advantages": "group"}  # fmt: skip
+    response = http.post(f"{url}/rollout/generate", json=body)
+    assert response.status_code == 200, response.text
+    rows = from_msgpack(response.content)
+    scorer = ClipScorer(str(tiny_clip), kind="pickscore")
+    direct = scorer.score([ScoringSample(row["generated_output"], row["prompt"]) for row in rows])
+    assert [row["rewards"]["pickscore"] for row in rows] == direct
+    assert all(isinstance(row["advantages"]["pickscore"], float) for row in rows)
 
 
 def test_bad_sizes_are_refused_and_the_server_keeps_serving(family_apps, http):

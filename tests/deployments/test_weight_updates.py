@@ -48,6 +48,8 @@ def app(serve_app, app_config, tmp_path_factory):
         "weight_version": "base",
         "allowed_weight_paths": [str(root)],
         "weight_update_timeout_s": 60,
+        # The GRPO example's rewards (the embedded model's scorers).
+        "scorers": {name: {"kind": name, "num_cpus": 0.1} for name in ("ink", "digits")},
     }
     handle = serve.run(build_app(config), name=APP_NAME, route_prefix="/weights-app")
     yield SimpleNamespace(handle=handle, url=f"{serve_app[1]}/weights-app", root=root)
@@ -366,6 +368,9 @@ def test_the_grpo_example_trains_on_policy(app, base):
     assert [m["first_step_max_abs_dlogp"] for m in history] == [0.0, 0.0]
     assert all(m["optimizer_steps"] == 2 for m in history)
     assert [m["rollout_weight_version"] for m in history] == ["grpo-0", "grpo-1"]
+    # Rewards came from the server's scorers; the scoring hidden behind sampling is part of it.
+    assert all(0 <= m["reward"] <= 1 and 0 <= m["digit_probability"] <= 1 for m in history)
+    assert all(0 <= m["reward_hidden_s"] <= m["reward_s"] for m in history)
     assert served(app).keys() and {version for version, _ in served(app).values()} == {"grpo-2"}
 
 

@@ -1,0 +1,225 @@
+"""A request's rewards, written once for both paths: each part is scored as soon as it is fetched.
+
+Plain asyncio over `Scorers` (the scorer deployments' handles in the application, a fake in the
+tests), as `deployments/dispatch.py` is over the workers. Whoever fetches a request's parts scores
+them: the ingress on the HTTP path, the trainer's process on the handle's (`RolloutResult`), so a
+trainer's images go from the workers' object store to the scorers without passing the ingress.
+- A per-sample scorer is sent each part's samples the moment that part is fetched, so scoring
+  overlaps the sampling of the parts still on the workers.
+- A group-aware scorer is sent each prompt's group (`num_outputs_per_prompt` samples) once every
+  part holding a sample of it is fetched.
+- A scorer replica that dies is asked again, up to the scorer's `retry_attempts`: the samples are
+  kept here, never sampled again. A scorer that raises, answers wrongly or takes longer than its
+  `timeout_s` fails the request with a `ScorerError` naming it, or, with
+  `rollout_reward_on_error: "null"`, leaves its rewards null.
+- With `rollout_advantages: "group"`, each scorer's rewards are normalised within each group once
+  all are in (`rollout.advantages`); a group with a null reward gets null advantages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import ray
+
+from deployments.config import ScorerConfig
+from rollout.advantages import group_advantages
+from rollout.errors import ScorerError
+from rollout.plan import RewardPlan
+from rollout.scorers.base import ScoringSample
+from rollout.trajectory import RolloutBatch
+
+if TYPE_CHECKING:
+    from deployments.worker import WorkerResult
+
+logger = logging.getLogger("ray.serve")
+
+# A scorer call whose replica died (samples travel by value, so no object can be lost with it).
+REPLICA_LOST = ray.exceptions.RayActorError
+
+
+class Scorers(Protocol):
+    """Where samples are scored, by scorer name."""
+
+    async def group_aware(self, scorer: str) -> bool:
+        """Whether the scorer takes one whole group a call (`rollout.scorers.base`)."""
+        ...
+
+    async def score(self, scorer: str, samples: list[ScoringSample]) -> list[float]: ...
+
+
+@dataclass
+class ServeScorers:
+    """The scorer deployments, through their handles; they travel with a `RolloutResult`. Whether
+    a scorer is group-aware is its class's to say, and the class may need what only its replicas
+    have (a GPU, a user's package): it is asked once."""
+
+    handles: dict[str, Any]  # name -> DeploymentHandle
+    _group_aware: dict[str, bool] = field(default_factory=dict)
+
+    async def group_aware(self, scorer: str) -> bool:
+        if scorer not in self._group_aware:
+            self._group_aware[scorer] = await self.handles[scorer].group_aware.remote()
+        return self._group_aware[scorer]
+
+    async def score(self, scorer: str, samples: list[ScoringSample]) -> list[float]:
+        return await self.handles[scorer].score.remote(samples)
+
+
+def scoring_samples(batch: RolloutBatch, first_index: int, group_size: int) -> list[ScoringSample]:
+    """A batch's samples as scorers see them; `first_index` is its first sample's index in the request."""
+    return [
+        ScoringSample(
+            image=sample.image,
+            prompt=sample.prompt,
+            metadata={
+                "sample_index": index,
+                "prompt_index": index // group_size,
+                "seed": sample.seed,
+                "branch_path": list(sample.branch_path),
+            },
+        )
+        for index, sample in enumerate(batch.samples, start=first_index)
+    ]
+
+
+def checked_scores(scorer: str, scores: Any, expected: int) -> list[float]:
+    """`scores` as floats, if they are `expected` finite numbers; else `ScorerError`."""
+    if not isinstance(scores, (list, tuple)) or len(scores) != expected:
+        count = len(scores) if isinstance(scores, (list, tuple)) else type(scores).__name__
+        raise ScorerError(scorer, f"answered {count} scores for {expected} samples")
+    for score in scores:
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            raise ScorerError(scorer, f"answered a score that is not a finite number: {score!r:.40}")
+    return [float(score) for score in scores]
+
+
+@dataclass(frozen=True)
+class RequestScoring:
+    """What scoring one request takes: what it asks for and where the scorers are.
+
+    Attributes:
+        plan: the request's scorers and options.
+        group_size: samples per prompt (a group).
+        scorers: where they run.
+        settings: each scorer's timeout and retries, from the app config.
+    """
+
+    plan: RewardPlan
+    group_size: int
+    scorers: Scorers
+    settings: dict[str, ScorerConfig]
+
+    async def scored(self, fetches: Sequence[Awaitable[WorkerResult]], sizes: Sequence[int]) -> list[WorkerResult]:
+        """The parts (`fetches`, of `sizes` samples each, in request order) with their samples'
+        rewards and advantages set, each part scored as soon as it is fetched."""
+        fetched = [asyncio.ensure_future(fetch) for fetch in fetches]
+        fetched_at: list[float] = []
+        for fetch in fetched:
+            fetch.add_done_callback(lambda _: fetched_at.append(time.perf_counter()))
+        calls: list[tuple[float, float]] = []  # (start, end) of every scoring call
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        total = sum(sizes)
+        rewards: dict[str, list[float | None]] = {name: [None] * total for name in self.plan.scorers}
+
+        async def score_part(name: str, part: int) -> None:
+            result = await fetched[part]
+            samples = scoring_samples(result.batch, starts[part], self.group_size)
+            rewards[name][starts[part] : starts[part] + sizes[part]] = await self._scores(name, samples, calls)
+
+        async def score_group(name: str, first: int) -> None:
+            last = first + self.group_size
+            parts = [i for i in range(len(sizes)) if starts[i] < last and starts[i] + sizes[i] > first]
+            samples = [
+                sample
+                for i in parts
+                for sample in scoring_samples((await fetched[i]).batch, starts[i], self.group_size)
+                if first <= sample.metadata["sample_index"] < last
+            ]
+            rewards[name][first:last] = await self._scores(name, samples, calls)
+
+        tasks = []
+        for name in self.plan.scorers:
+            if await self.scorers.group_aware(name):
+                tasks += [score_group(name, first) for first in range(0, total, self.group_size)]
+            else:
+                tasks += [score_part(name, part) for part in range(len(sizes))]
+        await _all_or_cancel([*fetched, *(asyncio.ensure_future(task) for task in tasks)])
+        sampled = max(fetched_at)
+        after_sampling = [(max(start, sampled), end) for start, end in calls if end > sampled]
+        times = {"reward_time_s": _covered(calls), "reward_wait_s": _covered(after_sampling)}
+        advantages = self._advantages(rewards) if self.plan.group_advantages else None
+        results = []
+        for part, start in enumerate(starts):
+            result = fetched[part].result()
+            samples = [
+                dataclasses.replace(
+                    sample,
+                    rewards={name: rewards[name][index] for name in self.plan.scorers},
+                    advantages=None if advantages is None else {name: advantages[name][index] for name in self.plan.scorers},
+                )
+                for index, sample in enumerate(result.batch.samples, start=start)
+            ]
+            batch = RolloutBatch(result.batch.schedule, result.batch.options, result.batch.model, samples)
+            results.append(dataclasses.replace(result, batch=batch, **times))
+        return results
+
+    async def _scores(self, name: str, samples: list[ScoringSample], calls: list) -> list[float | None]:
+        """The scorer's scores of `samples`, asked again while its replica dies; on failure, a
+        `ScorerError`, or nulls when the request said so. Each call's (start, end) goes to `calls`."""
+        settings = self.settings[name]
+        start = time.perf_counter()
+        try:
+            for attempt in range(1, settings.retry_attempts + 1):
+                try:
+                    scores = await asyncio.wait_for(self.scorers.score(name, samples), settings.timeout_s)
+                    return checked_scores(name, scores, len(samples))
+                except REPLICA_LOST as error:
+                    logger.warning("scorer %r: its replica was lost (%s), attempt %d of %d", name, type(error).__name__, attempt, settings.retry_attempts)
+                    if attempt == settings.retry_attempts:
+                        raise ScorerError(name, f"its replicas were lost {attempt} times") from None
+                except asyncio.TimeoutError:
+                    raise ScorerError(name, f"did not answer {len(samples)} samples within its timeout_s ({settings.timeout_s} s)") from None
+            raise AssertionError("unreachable: the last attempt returns or raises")
+        except ScorerError:
+            if self.plan.nulls_on_error:
+                return [None] * len(samples)
+            raise
+        finally:
+            calls.append((start, time.perf_counter()))
+
+    def _advantages(self, rewards: dict[str, list[float | None]]) -> dict[str, list[float | None]]:
+        advantages = {}
+        for name, values in rewards.items():
+            advantages[name] = []
+            for first in range(0, len(values), self.group_size):
+                group = values[first : first + self.group_size]
+                advantages[name] += [None] * len(group) if None in group else group_advantages(group, len(group))
+        return advantages
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of `(start, end)` intervals."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered
+
+
+async def _all_or_cancel(tasks: list[asyncio.Future]) -> None:
+    """Waits for every task; the first to fail cancels the others and its error is raised."""
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise

@@ -1,0 +1,56 @@
+"""What a scorer is: one float per sample from its image (or video) and its prompt.
+
+A scorer is any object with a `score` method and a `group_aware` flag (`Scorer`). A per-sample
+scorer (`group_aware = False`) is given any samples, from one request or from several batched
+together, so a sample's score must not depend on the samples beside it: scorers that run a model
+do it in fixed-size calls (`in_fixed_batches`), the batch invariance the sampler keeps with its
+micro-batches. A group-aware scorer (`group_aware = True`, as Pref-GRPO's pairwise win rates) is
+given one whole group per call: the samples of one prompt of one request, in order.
+
+Scorers are built from a name and keyword options (`rollout.scorers.registry`), by the Serve
+deployment that hosts each one, or directly in a trainer's process: the same object either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ScoringSample:
+    """One sample as a scorer sees it.
+
+    Attributes:
+        image: `(C, H, W)`, or `(C, F, H, W)` for a video, fp32 in [0, 1]: the sample's
+            `generated_output` as sampled.
+        prompt: the prompt it was conditioned on.
+        metadata: plain values about it (`seed`, `prompt_index`, `sample_index`, `branch_path`).
+    """
+
+    image: torch.Tensor
+    prompt: str
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    group_aware: ClassVar[bool]
+
+    def score(self, samples: Sequence[ScoringSample]) -> list[float]:
+        """One finite score per sample, in order (a group-aware scorer: one group's samples)."""
+        ...
+
+
+def in_fixed_batches(rows: torch.Tensor, batch_size: int, call: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`call` over `rows` in calls of exactly `batch_size` rows, the last one padded with zero rows
+    whose results are dropped: a row's result is then the same whatever rows come with it."""
+    results = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        padding = chunk.new_zeros((batch_size - len(chunk), *chunk.shape[1:]))
+        results.append(call(torch.cat([chunk, padding]))[: len(chunk)])
+    return torch.cat(results)

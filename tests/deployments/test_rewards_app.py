@@ -1,0 +1,87 @@
+"""Rewards in the rollout, served: scorer deployments beside the workers, rows with `rewards` and
+`advantages`, HTTP and handle alike, a failing scorer named (or nulled) while the server keeps
+serving, and a scorer replica killed under load losing no request."""
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import pytest
+import requests
+from ray import serve
+
+from rollout.advantages import group_advantages
+from rollout.scorers.base import ScoringSample
+from rollout.scorers.registry import build_scorer
+from tests.deployments.apps import deploy
+from tests.deployments.replicas import on_replicas
+from tests.deployments.test_http import post
+
+SCORERS = {
+    "ink": {"kind": "ink", "num_cpus": 0.1},
+    "digits": {"kind": "digits", "num_cpus": 0.1},
+    "pref": {"kind": "pairwise", "options": {"scorer": "ink"}, "num_cpus": 0.1},
+    "down": {"kind": "tests.deployments.scorer_plugins:FailingScorer", "num_cpus": 0.1},
+    "slow": {"kind": "tests.deployments.scorer_plugins:SlowInk", "num_cpus": 0.1, "num_replicas": 2},
+}
+BODY = {
+    "prompt": ["3", "8"],
+    "num_outputs_per_prompt": 4,
+    "num_inference_steps": 6,
+    "seed": 7,
+    "rollout_reward_models": ["ink", "digits", "pref"],
+    "rollout_advantages": "group",
+}
+
+
+@pytest.fixture(scope="module")
+def rewards_app(serve_app):
+    app = deploy(serve_app, "rewards-test", num_worker_replicas=1, scorers=SCORERS)
+    yield app
+    serve.delete(app.name)
+
+
+def direct(rows, name):
+    samples = [ScoringSample(row["generated_output"], row["prompt"]) for row in rows]
+    return build_scorer(SCORERS[name]["kind"], SCORERS[name].get("options")).score(samples)
+
+
+def test_rows_carry_the_scorers_own_rewards_and_group_advantages_and_http_and_handle_agree(http, rewards_app):
+    rows = post(http, rewards_app.url, BODY)
+    for name in ("ink", "digits"):
+        rewards = [row["rewards"][name] for row in rows]
+        assert rewards == direct(rows, name)  # same bits as the scorer on the returned images
+        assert [row["advantages"][name] for row in rows] == group_advantages(rewards, 4)
+    for group in (rows[:4], rows[4:]):  # a group-aware scorer: each prompt's 4 samples at once
+        assert [row["rewards"]["pref"] for row in group] == direct(group, "pref")
+    batch = rewards_app.handle.generate.remote(BODY).result().batch()
+    assert [s.rewards for s in batch.samples] == [row["rewards"] for row in rows]
+    assert [s.advantages for s in batch.samples] == [row["advantages"] for row in rows]
+
+
+def test_a_failing_scorer_is_named_or_nulled_and_the_server_keeps_serving(http, rewards_app):
+    failing = {**BODY, "rollout_reward_models": ["down", "ink"]}
+    answer = http.post(f"{rewards_app.url}/rollout/generate", json=failing, headers={"Accept": "application/json"})
+    assert answer.status_code == 502
+    error = answer.json()["error"]
+    assert error["field"] == "rollout_reward_models" and "scorer 'down'" in error["message"]
+    assert "the reward model is down" in error["message"]
+    rows = post(http, rewards_app.url, {**failing, "rollout_reward_on_error": "null"})
+    assert all(row["rewards"]["down"] is None and row["advantages"]["down"] is None for row in rows)
+    assert all(isinstance(row["rewards"]["ink"], float) for row in rows)
+    assert len(post(http, rewards_app.url, {**BODY, "rollout_reward_models": ["ink"]})) == 8
+    unknown = http.post(f"{rewards_app.url}/rollout/generate", json={**BODY, "rollout_reward_models": ["ocr"]})
+    assert unknown.status_code == 400 and unknown.json()["error"]["field"] == "rollout_reward_models"
+
+
+def test_a_scorer_replica_killed_under_load_loses_no_request(http, rewards_app):
+    body = {**BODY, "rollout_reward_models": ["slow"], "rollout_advantages": None}
+    pids = on_replicas(rewards_app.name, "Scorer-slow", lambda replica: os.getpid())
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = [pool.submit(post, requests.Session(), rewards_app.url, {**body, "seed": 100 * i}) for i in range(6)]
+        time.sleep(1.0)  # the first parts are being scored
+        os.kill(pids[0], signal.SIGKILL)
+        rows = [answer.result(timeout=120) for answer in answers]
+    for request in rows:
+        assert [row["rewards"]["slow"] for row in request] == direct(request, "ink")
