@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks               # about 27 minutes on 2 cores
     .venv/bin/python -m benchmarks --rounds 3    # quicker, noisier
+    .venv/bin/python -m benchmarks --only rewards trees   # these sections, merged into the file
 
 Starts a local Ray cluster with three applications (one worker replica; two; the default
 configuration), takes turns between the paths it compares, and reports each comparison per
@@ -23,7 +24,7 @@ import requests
 import torch
 from ray import serve
 
-from benchmarks import codec, schedule_exactness, throughput, trees
+from benchmarks import codec, rewards, schedule_exactness, throughput, trees
 from benchmarks.serving import (
     InProcessSampler,
     Spread,
@@ -53,7 +54,12 @@ LIGHT = {"num_inference_steps": STEPS, "rollout_debug_mode": False}
 HEAVY = {**LIGHT, "rollout_debug_mode": True, "rollout_return_dit_trajectory": True}
 # Room for a 128-leaf tree request beside work still finishing from the section before it (the
 # default admits 4 batches, 128 samples, in all).
-ONE_REPLICA = {"num_worker_replicas": 1, "worker_num_cpus": 1, "worker_torch_threads": 1, "max_batch_size": 32, "max_queued_samples": 512}
+ONE_REPLICA = {
+    "num_worker_replicas": 1, "worker_num_cpus": 1, "worker_torch_threads": 1, "max_batch_size": 32, "max_queued_samples": 512,
+    "scorers": {},
+}  # fmt: skip
+# Parts of 8 samples: the first is scored while the other seven are sampled.
+REWARDS_APP = {**ONE_REPLICA, "max_batch_size": 8}
 TWO_REPLICAS = {**ONE_REPLICA, "num_worker_replicas": 2, "worker_num_cpus": 0.5}
 
 
@@ -63,8 +69,9 @@ def request(samples: int, prompts: int = 8, **fields) -> dict:
 
 
 class Suite:
-    def __init__(self, rounds: int, port: int):
+    def __init__(self, rounds: int, port: int, only: list[str] | None = None):
         self.rounds = rounds
+        self.only = only  # the sections run, merged into the existing results; None: all
         self.base = f"http://127.0.0.1:{port}"
         self.session = requests.Session()
         self.lines: list[str] = []
@@ -372,6 +379,29 @@ class Suite:
             *trees.table(served_figures, "handle")[2:],
         )
 
+    def rewards(self) -> None:
+        """Issue 21: a CPU-bound scorer costing a third of the rollout, as each part is sampled
+        against after the whole rollout."""
+        calibration = self.deploy("rewards", REWARDS_APP)
+        plain = rewards.body()
+        rollout_s = Spread(tuple(take_turns({"rollout": lambda: calibration.generate.remote(plain).result().batch()}, 3)["rollout"])).median
+        app = self.deploy("rewards", {**REWARDS_APP, "scorers": {"busy": rewards.scorer_config(rollout_s)}})
+        times, reward_times = rewards.measure(app, "rewards", self.rounds)
+        overlapped = Spread(tuple(t / a for t, a in zip(times["scored as sampled"], times["rollout alone"])))
+        self.targets.append(("rewards scored as sampled: end to end / rollout alone", f"{overlapped:.3f}", "<= 1.1"))
+        self.section(
+            "Rewards in the rollout",
+            f"`benchmarks/rewards.py`: {rewards.PROMPTS} prompts x {rewards.OUTPUTS} outputs, {rewards.STEPS} SDE steps, "
+            f"one worker replica (1 torch thread) taking parts of {REWARDS_APP['max_batch_size']}; a CPU-bound scorer "
+            f"(`BusyInk`, its own replica on its own core) set to a third of the rollout's {rollout_s:.2f} s. Through the "
+            "handle: the rollout alone; the same request with `rollout_reward_models` (each part scored as soon as it is "
+            "fetched); the rollout, then the same scorer deployment on the whole batch. Taking turns, median (min - max) "
+            f"of {self.rounds} rounds.",
+            "",
+            *rewards.table(times, reward_times),
+        )
+        serve.delete("rewards")
+
     def write(self, path: Path, elapsed_s: float) -> None:
         machine = f"{platform.machine()}, {os.cpu_count()} cores"
         versions = f"Python {platform.python_version()}, torch {torch.__version__}, diffusers {diffusers.__version__}, ray {ray.__version__}"
@@ -389,7 +419,47 @@ class Suite:
             "|---|---|---|",
             *(f"| {figure} | {measured} | {target} |" for figure, measured, target in self.targets),
         ]
+        if self.only:
+            head, self.lines = self._merged_into(path, head)
         path.write_text("\n".join(head + self.lines) + "\n")
+
+    def _merged_into(self, path: Path, head: list[str]) -> tuple[list[str], list[str]]:
+        """`path`'s figures, with this run's sections and summary rows in place of theirs (`--only`)."""
+        old = path.read_text().rstrip("\n").split("\n")
+        summary = old.index("## Summary")
+        first_section = next(i for i in range(summary + 1, len(old)) if old[i].startswith("## "))
+        mine = {figure for figure, _, _ in self.targets}
+        rows = [row for row in old[summary + 4 : first_section] if row.startswith("| ") and row[2:].split(" | ")[0] not in mine]
+        rows += [f"| {figure} | {measured} | {target} |" for figure, measured, target in self.targets]
+        sections = _sections(old[first_section:])
+        mine_sections = _sections(self.lines)
+        sections.update(mine_sections)
+        titles = ", ".join(f'"{title[3:]}"' for title in mine_sections)
+        note = f"Re-measured {datetime.date.today().isoformat()} with `--only {' '.join(self.only)}` ({head[2].split('(')[-1][:-4]}): {titles}.  "
+        head = [*old[: summary - 1], note, "", *head[head.index("## Summary") : head.index("|---|---|---|") + 1], *rows]
+        return head, [line for lines in sections.values() for line in lines]
+
+
+def _sections(lines: list[str]) -> dict[str, list[str]]:
+    """A document's "## " sections by title, in order, each with its blank line before."""
+    sections: dict[str, list[str]] = {}
+    title = None
+    for line in lines:
+        if line.startswith("## "):
+            title = line
+            sections[title] = [""]
+        if title is not None:
+            sections[title].append(line)
+    return {title: _without_trailing_blanks(body) for title, body in sections.items()}
+
+
+def _without_trailing_blanks(lines: list[str]) -> list[str]:
+    while lines and not lines[-1]:
+        lines = lines[:-1]
+    return lines
+
+
+SECTIONS = ["payload", "codec", "schedule", "pipeline", "served", "worker-results", "transport", "replicas", "trees", "rewards", "burst", "clients"]
 
 
 def main() -> None:
@@ -397,27 +467,49 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--output", type=Path, default=Path("docs/benchmarks.md"))
+    parser.add_argument(
+        "--only", nargs="+", choices=SECTIONS, help="run these sections and merge them into --output's other figures"
+    )
     args = parser.parse_args()
     start = datetime.datetime.now()
-    suite = Suite(args.rounds, args.port)
+    suite = Suite(args.rounds, args.port, args.only)
+    run = set(args.only or SECTIONS)
     torch.set_num_threads(1)
-    suite.payload_bytes()
-    suite.codec()
-    suite.schedule(args.output.parent / "schedule_exactness.png")
-    suite.against_the_diffusers_pipeline()
+    if "payload" in run:
+        suite.payload_bytes()
+    if "codec" in run:
+        suite.codec()
+    if "schedule" in run:
+        suite.schedule(args.output.parent / "schedule_exactness.png")
+    if "pipeline" in run:
+        suite.against_the_diffusers_pipeline()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     try:
-        one = suite.deploy("one", ONE_REPLICA)
-        two = suite.deploy("two", TWO_REPLICAS)
-        default = suite.deploy("default", {})
-        suite.served_against_in_process(one)
-        suite.worker_results(one)
-        suite.batch_transport(one)
-        suite.replicas(one, two)
-        suite.tree_rollouts(one)
-        suite.burst(default)
-        suite.clients()
+        apps = {}
+
+        def app(name: str, config: dict):
+            if name not in apps:
+                apps[name] = suite.deploy(name, config)
+            return apps[name]
+
+        if "served" in run:
+            suite.served_against_in_process(app("one", ONE_REPLICA))
+        if "worker-results" in run:
+            suite.worker_results(app("one", ONE_REPLICA))
+        if "transport" in run:
+            suite.batch_transport(app("one", ONE_REPLICA))
+        if "replicas" in run:
+            suite.replicas(app("one", ONE_REPLICA), app("two", TWO_REPLICAS))
+        if "trees" in run:
+            suite.tree_rollouts(app("one", ONE_REPLICA))
+        if "rewards" in run:
+            suite.rewards()
+        if "burst" in run:
+            suite.burst(app("default", {}))
+        if "clients" in run:
+            app("default", {})  # its HTTP route
+            suite.clients()
     finally:
         serve.shutdown()
         ray.shutdown()
