@@ -10,6 +10,14 @@
    call in a fresh process: the latents and the VAE's work are one micro-batch's, whatever the
    request, so the peak should not grow with the videos beyond what is kept.
 
+3. The VAE decoding one video of 480 x 832 pixels, with and without the VAE's own tiling (on by
+   default for video families, `model.vae_tiling`): peak resident memory, time, and how far the
+   tiled frames are from the untiled ones.
+4. A worker's result crossing Ray's object store at Wan2.1's real size: a batch of 480 x 832,
+   81-frame videos (random values: transport does not read them) returned by a task and taken by
+   `ray.get`, against the same tensors returned as torch tensors (which Ray pickles in band). Zero
+   copy shows as a `ray.get` whose time and resident memory do not grow with the bytes.
+
 `--strip PATH` also draws one sampled video's frames side by side (docs/video_frames.png).
 """
 
@@ -18,8 +26,13 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing
+import os
 import tempfile
+import time
 from pathlib import Path
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 from benchmarks.throughput import PeakResidentMemory
 from rollout.codec import to_msgpack
@@ -28,8 +41,10 @@ from rollout.options import SamplingOptions
 from rollout.plan import RequestLimits, plan_rollout
 from rollout.rows import response_rows
 from rollout.sampler import sample
+from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 from rollout.schema import RolloutRequest
 from rollout.tiny_families import build_tiny_wan21
+from rollout.trajectory import RolloutBatch, SampleTrajectory
 from rollout.video import frames_as_uint8
 
 HEIGHT, WIDTH, FRAMES, STEPS = 128, 192, 17, 10
@@ -74,6 +89,92 @@ def peak_of(path: str, videos: int) -> int:
     return memory.peak_bytes
 
 
+def decode_of(path: str, tiling: bool) -> tuple[int, float, torch.Tensor]:
+    """(peak resident memory in bytes, seconds, frames) of decoding one 480 x 832, 17-frame video,
+    in this fresh process."""
+    pipeline = load_pipeline(None, path, device="cpu", vae_tiling=tiling)
+    latents = torch.randn(1, *pipeline.latent_shape(REAL["height"], REAL["width"], FRAMES), generator=torch.Generator().manual_seed(0))
+    pipeline.decode(latents[:, :, :1])  # warm-up
+    with PeakResidentMemory() as memory:
+        start = time.perf_counter()
+        frames = pipeline.decode(latents)
+        seconds = time.perf_counter() - start
+    return memory.peak_bytes, seconds, frames
+
+
+def wan_sized_batch(videos: int, kept_steps: tuple[int, ...]) -> RolloutBatch:
+    """`videos` samples of Wan2.1's real size keeping the latents of `kept_steps`, each field's
+    tensors consecutive rows of one buffer, as the sampler writes them."""
+    steps, shape = REAL["steps"], REAL["latent_shape"]
+    schedule = ScheduleSnapshot.from_scheduler(
+        FlowMatchEulerDiscreteScheduler(shift=3.0), steps, model_timesteps=timesteps_as_they_are
+    )
+    options = SamplingOptions(
+        num_inference_steps=steps, height=REAL["height"], width=REAL["width"], num_frames=REAL["num_frames"],
+        return_step_indices=kept_steps,
+    )  # fmt: skip
+    images = torch.rand(videos, 3, REAL["num_frames"], REAL["height"], REAL["width"])
+    latents = torch.randn(videos, len(kept_steps), *shape)
+    final_latents = torch.randn(videos, *shape)
+    log_probs = torch.randn(videos, steps)
+    step_indices = torch.tensor(kept_steps).repeat(videos, 1)
+    samples = [
+        SampleTrajectory(
+            schedule=schedule, prompt="a cat", negative_prompt="", seed=i, image=images[i], final_latents=final_latents[i],
+            log_probs=log_probs[i], latents=latents[i], latent_step_indices=step_indices[i],
+        )  # fmt: skip
+        for i in range(videos)
+    ]
+    return RolloutBatch(schedule=schedule, options=options, model="wan", samples=samples)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def object_store_transport(cases: list[tuple[str, int, tuple[int, ...]]]) -> list[tuple[str, int, dict]]:
+    """For each (name, videos, kept steps): the batch's bytes and, for the batch as the worker
+    returns it and for its tensors as plain torch tensors, `ray.get`'s seconds and the resident
+    memory it added, then the seconds to read every byte once."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+    @ray.remote(num_cpus=1)
+    def produce(videos: int, kept_steps: tuple[int, ...], as_torch: bool):
+        batch = wan_sized_batch(videos, kept_steps)
+        return [s.tensors() for s in batch.samples] if as_torch else batch
+
+    def tensors_of(value) -> list[torch.Tensor]:
+        return [t for s in value.samples for t in s.tensors().values()] if isinstance(value, RolloutBatch) else [t for d in value for t in d.values()]
+
+    figures = []
+    try:
+        for name, videos, kept_steps in cases:
+            measured = {}
+            for as_torch in (False, True):
+                ref = produce.remote(videos, kept_steps, as_torch)
+                ray.wait([ref], fetch_local=False)
+                before = resident_bytes()
+                start = time.perf_counter()
+                value = ray.get(ref)
+                get_s = time.perf_counter() - start
+                added = resident_bytes() - before
+                tensors = tensors_of(value)
+                start = time.perf_counter()
+                for tensor in tensors:
+                    tensor.sum()
+                read_s = time.perf_counter() - start
+                measured["torch" if as_torch else "batch"] = (get_s, added, read_s)
+                size = sum(t.nbytes for t in tensors)
+                del value, tensors, ref
+            figures.append((name, size, measured))
+    finally:
+        ray.shutdown()
+    return figures
+
+
 def frame_strip(path: Path, output: Path) -> None:
     """One video's frames, left to right, as a PNG."""
     from PIL import Image
@@ -97,10 +198,19 @@ def main() -> None:
             frame_strip(path, args.strip)
         sizes = response_bytes(path)
         spawn = multiprocessing.get_context("spawn")
-        peaks = {}
+        peaks, decodes = {}, {}
         for videos in args.videos:
             with spawn.Pool(1) as pool:
                 peaks[videos] = pool.apply(peak_of, (str(path), videos))
+        for tiling in (False, True):
+            with spawn.Pool(1) as pool:
+                decodes[tiling] = pool.apply(decode_of, (str(path), tiling))
+    window_steps = (20, 21, 22)
+    transport = object_store_transport([
+        ("1 video, 2-step window", 1, window_steps),
+        ("4 videos, 2-step window", 4, window_steps),
+        ("1 video, whole trajectory", 1, tuple(range(REAL["steps"] + 1))),
+    ])  # fmt: skip
     print(f"Tiny Wan2.1, {HEIGHT} x {WIDTH}, {FRAMES} frames, {STEPS} steps, SDE, 2 samples a request:")
     print()
     print("| what is returned | response bytes per sample (msgpack) | kept_bytes_per_sample |")
@@ -127,6 +237,23 @@ def main() -> None:
     print("|---|---|")
     for videos, peak in peaks.items():
         print(f"| {videos} | {peak / 2**20:.0f} MiB |")
+    print()
+    difference = (decodes[True][2] - decodes[False][2]).abs().max().item()
+    print(f"Decoding one 480 x 832, {FRAMES}-frame video with the tiny VAE (tiled frames differ from untiled by at most {difference:.3g}):")
+    print()
+    print("| VAE | peak resident memory | seconds |")
+    print("|---|---|---|")
+    for tiling, (peak, seconds, _) in decodes.items():
+        print(f"| {'tiled' if tiling else 'untiled'} | {peak / 2**20:.0f} MiB | {seconds:.2f} |")
+    print()
+    print("A task's result at Wan2.1's real size through Ray's object store (`ray.get`, then reading every byte once):")
+    print()
+    print("| result | bytes | returned as | `ray.get` seconds | resident memory `ray.get` added | seconds to read it all |")
+    print("|---|---|---|---|---|---|")
+    for name, size, measured in transport:
+        for form, label in (("batch", "`RolloutBatch` (stacked numpy, out of band)"), ("torch", "the same tensors as torch tensors")):
+            get_s, added, read_s = measured[form]
+            print(f"| {name} | {size / 2**20:.0f} MiB | {label} | {get_s:.3f} | {added / 2**20:.0f} MiB | {read_s:.2f} |")
 
 
 if __name__ == "__main__":

@@ -95,7 +95,9 @@ class SamplingOptions:
     def kept_bytes_per_sample(self, latent_shape: tuple[int, ...]) -> int:
         """Bytes of the fp32 tensors one sample returns: its kept latents, its log-probs, the debug
         tensors when asked (a velocity, a mean and a noise per step, and the noise stds), and its
-        output, counted as RGB frames of the options' size. From the options (model defaults filled
+        output, counted as fp32 RGB frames of the options' size: what a worker returns and the
+        ingress holds, even where `rollout_video_dtype: "uint8"` rounds the frames of the HTTP
+        rows to a quarter of it. From the options (model defaults filled
         in) and the latent shape alone, so a request too large to return is refused before it is
         sampled; `denoising_env`, the text's size, is left out."""
         latent, steps = math.prod(latent_shape), self.num_inference_steps
