@@ -22,8 +22,8 @@ class DiscoveryRoutes:
     _worker_info: dict | None = None  # the model's description, read from a worker once
 
     async def info(self) -> dict:
-        """Handle API: the model, its scheduler, defaults and image size limits, the configured limits
-        and the weights served."""
+        """Handle API: the model, its scheduler, defaults and image size limits, the configured limits,
+        the weights served and the scorers a request may name (`rollout_reward_models`)."""
         if self._worker_info is None:
             self._worker_info = await self.worker.info.remote()
         weights = await self.coordinator.state.remote()
@@ -37,6 +37,7 @@ class DiscoveryRoutes:
             # What a request may ask for: the smaller of the configured limit and the model's own.
             "max_image_size": configured if model_max is None else min(configured, model_max),
             "max_batch_size": self.config.max_batch_size,
+            "scorers": {name: scorer.kind for name, scorer in self.config.scorers.items()},
         }
 
     @route("GET", "/rollout/info")

@@ -73,6 +73,8 @@ def test_a_failing_scorer_is_named_or_nulled_and_the_server_keeps_serving(http, 
     assert len(post(http, rewards_app.url, {**BODY, "rollout_reward_models": ["ink"]})) == 8
     unknown = http.post(f"{rewards_app.url}/rollout/generate", json={**BODY, "rollout_reward_models": ["ocr"]})
     assert unknown.status_code == 400 and unknown.json()["error"]["field"] == "rollout_reward_models"
+    # What a request may name is discoverable.
+    assert http.get(f"{rewards_app.url}/rollout/info").json()["scorers"] == {name: s["kind"] for name, s in SCORERS.items()}
 
 
 def test_a_scorer_replica_killed_under_load_loses_no_request(http, rewards_app):
