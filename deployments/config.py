@@ -270,6 +270,12 @@ class RolloutAppConfig(BaseModel):
         "{'pickscore': {'kind': 'clip', 'options': {'path': '/models/pickscore', 'kind': 'pickscore'}, "
         "'num_gpus': 0.25}}. Left out, the embedded model comes with its own two, 'ink' and 'digits'.",
     )
+    keep_unscored_s: float = Field(
+        300.0,
+        ge=0,
+        description="Seconds the samples of an HTTP request with a seed whose scoring failed are kept, so that the "
+        "same request sent again is scored from them rather than sampled again; 0: not kept.",
+    )
     probe_port: int | None = Field(
         None,
         ge=1,

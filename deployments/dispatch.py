@@ -41,8 +41,8 @@ import ray
 
 from deployments.config import RolloutAppConfig
 from deployments.ray_private import object_ref
-from deployments.scoring import RequestScoring, Scorers
-from rollout.errors import InvalidRequestError, RolloutError
+from deployments.scoring import RequestScoring, Scorers, UnscoredResults
+from rollout.errors import InvalidRequestError, RolloutError, ScorerError
 from rollout.plan import DeadlineExceededError, RolloutPlan, SamplingWork
 from rollout.trajectory import RolloutBatch
 from rollout.tree import FACTORS_FIELD
@@ -203,6 +203,7 @@ class Dispatcher:
     ):
         self.workers = workers
         self.scorers = scorers
+        self.unscored = UnscoredResults(config.keep_unscored_s)
         self.config = config
         self._queued_on_workers = queued_on_workers
         self._routing_samples = 0  # admitted, not yet placed on a worker replica
@@ -256,13 +257,22 @@ class Dispatcher:
 
     async def sampled(self, plan: RolloutPlan) -> list[WorkerResult]:
         """The plan's parts, sampled and fetched here (the HTTP path), within the plan's deadline and
-        the server's shutdown grace; interrupted, the work still queued is cancelled."""
+        the server's shutdown grace; interrupted, the work still queued is cancelled. Parts whose
+        scoring failed are kept for the same request sent again (`UnscoredResults`)."""
         deadline = self.deadline(plan)
 
         async def dispatched_and_fetched() -> list[WorkerResult]:
-            result = await self.dispatch(plan, deadline)
+            result = self.unscored.take(plan) or await self.dispatch(plan, deadline)
             try:
                 return await result.worker_results_async()
+            except ScorerError as error:
+                if not self.unscored.keep(plan, result):
+                    raise
+                raise ScorerError(
+                    error.scorer,
+                    f"{error.reason}; the samples are kept {self.unscored.keep_s:g} s: the same request sent again "
+                    "is scored from them, not sampled again",
+                ) from None
             except BaseException:
                 result.cancel()
                 raise

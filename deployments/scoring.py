@@ -11,7 +11,9 @@ trainer's images go from the workers' object store to the scorers without passin
 - A scorer replica that dies is asked again, up to the scorer's `retry_attempts`: the samples are
   kept here, never sampled again. A scorer that raises, answers wrongly or takes longer than its
   `timeout_s` fails the request with a `ScorerError` naming it, or, with
-  `rollout_reward_on_error: "null"`, leaves its rewards null.
+  `rollout_reward_on_error: "null"`, leaves its rewards null. The failed request's samples are
+  still there to score again: through the handle in its `RolloutResult`, over HTTP in
+  `UnscoredResults` for the same request sent again.
 - With `rollout_advantages: "group"`, each scorer's rewards are normalised within each group once
   all are in (`rollout.advantages`); a group with a null reward gets null advantages.
 """
@@ -23,6 +25,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,11 +35,12 @@ import ray
 from deployments.config import ScorerConfig
 from rollout.advantages import group_advantages
 from rollout.errors import ScorerError
-from rollout.plan import RewardPlan
+from rollout.plan import RewardPlan, RolloutPlan
 from rollout.scorers.base import ScoringSample
 from rollout.trajectory import RolloutBatch
 
 if TYPE_CHECKING:
+    from deployments.dispatch import RolloutResult
     from deployments.worker import WorkerResult
 
 logger = logging.getLogger("ray.serve")
@@ -203,6 +207,48 @@ class RequestScoring:
                 group = values[first : first + self.group_size]
                 advantages[name] += [None] * len(group) if None in group else group_advantages(group, len(group))
         return advantages
+
+
+class UnscoredResults:
+    """HTTP requests sampled whose scoring failed, kept `keep_s` seconds so that the same request
+    sent again is scored from the samples it already has rather than sampled again (through the
+    handle, `RolloutResult.batch()` again does the same). Only a request with a seed can be the
+    same request again; `rollout_reward_on_error` and `rollout_timeout_s` may differ on the retry.
+    At most `max_kept` requests are kept, the oldest dropped first: their samples stay in the
+    object store while kept."""
+
+    def __init__(self, keep_s: float, max_kept: int = 16):
+        self.keep_s = keep_s
+        self.max_kept = max_kept
+        self._kept: OrderedDict[str, tuple[float, RolloutResult]] = OrderedDict()
+
+    @staticmethod
+    def _key(plan: RolloutPlan) -> str | None:
+        if plan.rewards is None or plan.request.seed is None:
+            return None
+        return plan.request.model_dump_json(exclude={"rollout_reward_on_error", "rollout_timeout_s"})
+
+    def keep(self, plan: RolloutPlan, result: RolloutResult) -> bool:
+        """Keeps `result` for `plan`'s request sent again; False where it cannot be sent again."""
+        key = self._key(plan)
+        if key is None or self.keep_s <= 0:
+            return False
+        self._kept[key] = (time.monotonic() + self.keep_s, result)
+        self._kept.move_to_end(key)
+        while len(self._kept) > self.max_kept:
+            self._kept.popitem(last=False)
+        return True
+
+    def take(self, plan: RolloutPlan) -> RolloutResult | None:
+        """The kept result of `plan`'s request, to be scored as `plan` asks; None if none is kept."""
+        now = time.monotonic()
+        for key in [key for key, (expiry, _) in self._kept.items() if expiry < now]:
+            del self._kept[key]
+        key = self._key(plan)
+        if key not in self._kept:
+            return None
+        _, result = self._kept.pop(key)
+        return dataclasses.replace(result, scoring=dataclasses.replace(result.scoring, plan=plan.rewards))
 
 
 def _covered(intervals: list[tuple[float, float]]) -> float:

@@ -172,6 +172,25 @@ def test_a_failing_scorer_fails_the_request_naming_it_or_leaves_nulls(pipeline, 
     assert all(isinstance(s.rewards["ink"], float) and isinstance(s.advantages["ink"], float) for s in batch.samples)
 
 
+def test_an_http_request_whose_scoring_failed_is_scored_again_from_its_kept_samples(pipeline):
+    async def fails_first(call):
+        return [float("nan")] * 3 if call == 1 else [0.25] * 3
+
+    log = []
+    workers = Workers(pipeline, [0.0] * 3, log)
+    config = RolloutAppConfig(num_worker_replicas=1, scorers=SCORERS, keep_unscored_s=60)
+    ingress = Dispatcher(workers, config, lambda: 0, Scorers(log, {"broken": fails_first}))
+    asked = dict(prompts=("3",), rollout_reward_models=["broken"])
+    with pytest.raises(ScorerError, match="the samples are kept 60 s"):
+        asyncio.run(ingress.sampled(plan(**asked)))
+    # The same request again, nulls now acceptable: scored from the kept samples, none sampled.
+    (part,) = asyncio.run(ingress.sampled(plan(**asked, rollout_reward_on_error="null")))
+    assert len(workers.sent) == 1 and [s.rewards["broken"] for s in part.batch.samples] == [0.25] * 3
+    # Kept once: sent a third time, or with another seed, the request is sampled.
+    asyncio.run(ingress.sampled(plan(**asked)))
+    assert len(workers.sent) == 2
+
+
 @pytest.mark.parametrize(
     "fields, field, reason",
     [
