@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+import warnings
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -34,6 +36,18 @@ class ScoringSample:
     image: torch.Tensor
     prompt: str
     metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __reduce__(self):
+        # As a numpy array, the image crosses Ray's object store out of band: a scorer replica maps a
+        # video's frames rather than unpickling a copy (torch tensors pickle their bytes in band).
+        return _scoring_sample, (self.image.detach().cpu().contiguous().numpy(), self.prompt, dict(self.metadata))
+
+
+def _scoring_sample(image: np.ndarray, prompt: str, metadata: dict[str, Any]) -> ScoringSample:
+    with warnings.catch_warnings():
+        # Ray hands numpy buffers out of the object store read-only; torch cannot mark a tensor so.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return ScoringSample(torch.from_numpy(image), prompt, metadata)
 
 
 @runtime_checkable

@@ -3,11 +3,13 @@ as it is fetched, group-aware scorers given whole groups, lost scorer replicas a
 the same samples, failures named or nulled as the request says, advantages as Flow-GRPO's."""
 
 import asyncio
+import pickle
 import time
 from dataclasses import replace
 
 import pytest
 import ray
+import torch
 
 from deployments.config import RolloutAppConfig
 from deployments.dispatch import Dispatcher
@@ -19,6 +21,7 @@ from rollout.models.registry import load_pipeline
 from rollout.plan import RequestLimits, plan_rollout
 from rollout.sampler import sample
 from rollout.schema import parse_request
+from rollout.scorers.base import ScoringSample
 from rollout.scorers.registry import build_scorer
 
 SCORERS = {
@@ -205,3 +208,13 @@ def test_bad_reward_fields_are_refused_naming_the_field(fields, field, reason):
     with pytest.raises(InvalidRequestError) as caught:
         plan(**fields)
     assert caught.value.field == field and reason in caught.value.reason
+
+
+def test_a_scoring_samples_image_crosses_processes_out_of_band():
+    """Ray keeps protocol-5 buffers out of band: a scorer replica maps a video's frames, uncopied."""
+    video = torch.rand(2, 3, 5, 16, 16)[1]  # a row of a stacked buffer, as a batch's samples are
+    buffers = []
+    inline = pickle.dumps(ScoringSample(video, "a cat", {"seed": 3}), protocol=5, buffer_callback=buffers.append)
+    assert [buffer.raw().nbytes for buffer in buffers] == [video.nbytes] and len(inline) < 300
+    back = pickle.loads(inline, buffers=buffers)
+    assert torch.equal(back.image, video) and back.prompt == "a cat" and back.metadata == {"seed": 3}
