@@ -1,6 +1,5 @@
 """Scorers a user would write, loaded by the app by import path (`tests.deployments.scorer_plugins:...`)."""
 
-import os
 import time
 
 
@@ -14,7 +13,7 @@ class FailingScorer:
 
 
 class SlowInk:
-    """Ink, `delay_s` a sample, and the pid of the replica that scored: what the fault test kills."""
+    """Ink, after `delay_s` a sample: scoring that lasts long enough for the fault test to kill it."""
 
     group_aware = False
 
@@ -24,6 +23,3 @@ class SlowInk:
     def score(self, samples):
         time.sleep(self.delay_s * len(samples))
         return [sample.image.float().mean().item() for sample in samples]
-
-    def pid(self):
-        return os.getpid()

@@ -18,19 +18,19 @@ from tests.deployments.apps import deploy
 from tests.deployments.replicas import on_replicas
 from tests.deployments.test_http import post
 
+# Four replicas in all (each a process that imports torch): `digits` and `ink` are
+# tests/deployments/test_scoring.py's, and `slow` scores ink, a little slowly.
 SCORERS = {
-    "ink": {"kind": "ink", "num_cpus": 0.1},
-    "digits": {"kind": "digits", "num_cpus": 0.1},
+    "slow": {"kind": "tests.deployments.scorer_plugins:SlowInk", "num_cpus": 0.1, "num_replicas": 2},
     "pref": {"kind": "pairwise", "options": {"scorer": "ink"}, "num_cpus": 0.1},
     "down": {"kind": "tests.deployments.scorer_plugins:FailingScorer", "num_cpus": 0.1},
-    "slow": {"kind": "tests.deployments.scorer_plugins:SlowInk", "num_cpus": 0.1, "num_replicas": 2},
 }
 BODY = {
     "prompt": ["3", "8"],
     "num_outputs_per_prompt": 4,
     "num_inference_steps": 6,
     "seed": 7,
-    "rollout_reward_models": ["ink", "digits", "pref"],
+    "rollout_reward_models": ["slow", "pref"],
     "rollout_advantages": "group",
 }
 
@@ -42,26 +42,25 @@ def rewards_app(serve_app):
     serve.delete(app.name)
 
 
-def direct(rows, name):
+def direct(rows, kind, options=None):
     samples = [ScoringSample(row["generated_output"], row["prompt"]) for row in rows]
-    return build_scorer(SCORERS[name]["kind"], SCORERS[name].get("options")).score(samples)
+    return build_scorer(kind, options).score(samples)
 
 
 def test_rows_carry_the_scorers_own_rewards_and_group_advantages_and_http_and_handle_agree(http, rewards_app):
     rows = post(http, rewards_app.url, BODY)
-    for name in ("ink", "digits"):
-        rewards = [row["rewards"][name] for row in rows]
-        assert rewards == direct(rows, name)  # same bits as the scorer on the returned images
-        assert [row["advantages"][name] for row in rows] == group_advantages(rewards, 4)
+    rewards = [row["rewards"]["slow"] for row in rows]
+    assert rewards == direct(rows, "ink")  # same bits as the scorer on the returned images
+    assert [row["advantages"]["slow"] for row in rows] == group_advantages(rewards, 4)
     for group in (rows[:4], rows[4:]):  # a group-aware scorer: each prompt's 4 samples at once
-        assert [row["rewards"]["pref"] for row in group] == direct(group, "pref")
+        assert [row["rewards"]["pref"] for row in group] == direct(group, "pairwise", {"scorer": "ink"})
     batch = rewards_app.handle.generate.remote(BODY).result().batch()
     assert [s.rewards for s in batch.samples] == [row["rewards"] for row in rows]
     assert [s.advantages for s in batch.samples] == [row["advantages"] for row in rows]
 
 
 def test_a_failing_scorer_is_named_or_nulled_and_the_server_keeps_serving(http, rewards_app):
-    failing = {**BODY, "rollout_reward_models": ["down", "ink"]}
+    failing = {**BODY, "rollout_reward_models": ["down", "slow"]}
     answer = http.post(f"{rewards_app.url}/rollout/generate", json=failing, headers={"Accept": "application/json"})
     assert answer.status_code == 502
     error = answer.json()["error"]
@@ -69,8 +68,8 @@ def test_a_failing_scorer_is_named_or_nulled_and_the_server_keeps_serving(http, 
     assert "the reward model is down" in error["message"]
     rows = post(http, rewards_app.url, {**failing, "rollout_reward_on_error": "null"})
     assert all(row["rewards"]["down"] is None and row["advantages"]["down"] is None for row in rows)
-    assert all(isinstance(row["rewards"]["ink"], float) for row in rows)
-    assert len(post(http, rewards_app.url, {**BODY, "rollout_reward_models": ["ink"]})) == 8
+    assert all(isinstance(row["rewards"]["slow"], float) for row in rows)
+    assert len(post(http, rewards_app.url, {**BODY, "rollout_reward_models": ["slow"]})) == 8
     unknown = http.post(f"{rewards_app.url}/rollout/generate", json={**BODY, "rollout_reward_models": ["ocr"]})
     assert unknown.status_code == 400 and unknown.json()["error"]["field"] == "rollout_reward_models"
     # What a request may name is discoverable.
