@@ -149,9 +149,12 @@ class RequestScoring:
             ]
             rewards[name][first:last] = await self._scores(name, samples, calls)
 
+        tasks = [asyncio.ensure_future(self._group_aware(name)) for name in self.plan.scorers]
+        await _all_or_cancel([*tasks], also=fetched)
+        group_aware = dict(zip(self.plan.scorers, (task.result() for task in tasks)))
         tasks = []
         for name in self.plan.scorers:
-            if await self.scorers.group_aware(name):
+            if group_aware[name]:
                 tasks += [score_group(name, first) for first in range(0, total, self.group_size)]
             else:
                 tasks += [score_part(name, part) for part in range(len(sizes))]
@@ -174,6 +177,12 @@ class RequestScoring:
             batch = RolloutBatch(result.batch.schedule, result.batch.options, result.batch.model, samples)
             results.append(dataclasses.replace(result, batch=batch, **times))
         return results
+
+    async def _group_aware(self, name: str) -> bool:
+        try:
+            return await asyncio.wait_for(self.scorers.group_aware(name), self.settings[name].timeout_s)
+        except (REPLICA_LOST, asyncio.TimeoutError) as error:
+            raise ScorerError(name, f"its deployment did not answer ({type(error).__name__})") from None
 
     async def _scores(self, name: str, samples: list[ScoringSample], calls: list) -> list[float | None]:
         """The scorer's scores of `samples`, asked again while its replica dies; on failure, a
@@ -261,11 +270,11 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
     return covered
 
 
-async def _all_or_cancel(tasks: list[asyncio.Future]) -> None:
-    """Waits for every task; the first to fail cancels the others and its error is raised."""
+async def _all_or_cancel(tasks: list[asyncio.Future], also: Sequence[asyncio.Future] = ()) -> None:
+    """Waits for every task; the first to fail cancels the others (and `also`) and its error is raised."""
     try:
         await asyncio.gather(*tasks)
     except BaseException:
-        for task in tasks:
+        for task in [*tasks, *also]:
             task.cancel()
         raise
