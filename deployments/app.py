@@ -91,7 +91,7 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
             logging_config=NO_ACCESS_LOG,
             **drain,
             ray_actor_options={"num_cpus": scorer.num_cpus, "num_gpus": scorer.num_gpus},
-        ).bind(name, scorer)
+        ).bind(name, scorer.model_dump())
         for name, scorer in config.scorers.items()
     }
     ingress = RolloutIngress.options(

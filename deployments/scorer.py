@@ -15,13 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from ray import serve
 
-from deployments.config import ScorerConfig
-from deployments.scoring import checked_scores
 from rollout.errors import ScorerError
-from rollout.scorers.base import ScoringSample
+from rollout.scorers.base import ScoringSample, checked_scores
 from rollout.scorers.registry import build_scorer
 
 logger = logging.getLogger("ray.serve")
@@ -35,10 +34,13 @@ class _Waiting:
 
 @serve.deployment
 class ScorerReplica:
-    def __init__(self, name: str, config: ScorerConfig):
+    """Args: `name`, as requests name it; `config`, its `ScorerConfig` as a plain dict. This module
+    and its arguments import no model code: a replica of `ink` starts in what torch takes."""
+
+    def __init__(self, name: str, config: dict[str, Any]):
         self.name = name
-        self.scorer = build_scorer(config.kind, config.options)
-        self.max_batch_size = config.max_batch_size
+        self.scorer = build_scorer(config["kind"], config["options"])
+        self.max_batch_size = config["max_batch_size"]
         self._waiting: list[_Waiting] = []
         self._running: asyncio.Task | None = None
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
@@ -32,14 +31,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
-from deployments.config import ScorerConfig
 from rollout.advantages import group_advantages
 from rollout.errors import ScorerError
 from rollout.plan import RewardPlan, RolloutPlan
-from rollout.scorers.base import ScoringSample
+from rollout.scorers.base import ScoringSample, checked_scores
 from rollout.trajectory import RolloutBatch
 
 if TYPE_CHECKING:
+    from deployments.config import ScorerConfig
     from deployments.dispatch import RolloutResult
     from deployments.worker import WorkerResult
 
@@ -92,17 +91,6 @@ def scoring_samples(batch: RolloutBatch, first_index: int, group_size: int) -> l
         )
         for index, sample in enumerate(batch.samples, start=first_index)
     ]
-
-
-def checked_scores(scorer: str, scores: Any, expected: int) -> list[float]:
-    """`scores` as floats, if they are `expected` finite numbers; else `ScorerError`."""
-    if not isinstance(scores, (list, tuple)) or len(scores) != expected:
-        count = len(scores) if isinstance(scores, (list, tuple)) else type(scores).__name__
-        raise ScorerError(scorer, f"answered {count} scores for {expected} samples")
-    for score in scores:
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-            raise ScorerError(scorer, f"answered a score that is not a finite number: {score!r:.40}")
-    return [float(score) for score in scores]
 
 
 @dataclass(frozen=True)

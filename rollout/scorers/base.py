@@ -13,13 +13,16 @@ deployment that hosts each one, or directly in a trainer's process: the same obj
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-import warnings
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+from rollout.errors import ScorerError
 
 
 @dataclass(frozen=True)
@@ -68,3 +71,14 @@ def in_fixed_batches(rows: torch.Tensor, batch_size: int, call: Callable[[torch.
         padding = chunk.new_zeros((batch_size - len(chunk), *chunk.shape[1:]))
         results.append(call(torch.cat([chunk, padding]))[: len(chunk)])
     return torch.cat(results)
+
+
+def checked_scores(scorer: str, scores: Any, expected: int) -> list[float]:
+    """`scores` as floats, if they are `expected` finite numbers; else `ScorerError`."""
+    if not isinstance(scores, (list, tuple)) or len(scores) != expected:
+        count = len(scores) if isinstance(scores, (list, tuple)) else type(scores).__name__
+        raise ScorerError(scorer, f"answered {count} scores for {expected} samples")
+    for score in scores:
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            raise ScorerError(scorer, f"answered a score that is not a finite number: {score!r:.40}")
+    return [float(score) for score in scores]

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 
 import torch
 
-from rollout.models.digit_classifier import DEFAULT_CLASSIFIER_WEIGHTS, DigitClassifier
-from rollout.models.digits import parse_digit_prompt
 from rollout.scorers.base import ScoringSample, in_fixed_batches
 
 
@@ -23,7 +21,13 @@ class DigitProbability:
     group_aware = False
 
     def __init__(self, weights: str | None = None, micro_batch_size: int = 64):
+        # Imported here: the prompt parser's module brings diffusers, seconds of a scorer replica's
+        # start that `ink`, in this module too, does without.
+        from rollout.models.digit_classifier import DEFAULT_CLASSIFIER_WEIGHTS, DigitClassifier
+        from rollout.models.digits import parse_digit_prompt
+
         self.classifier = DigitClassifier.from_pretrained(weights or DEFAULT_CLASSIFIER_WEIGHTS)
+        self.parse_digit_prompt = parse_digit_prompt
         self.micro_batch_size = micro_batch_size
 
     def score(self, samples: Sequence[ScoringSample]) -> list[float]:
@@ -33,7 +37,7 @@ class DigitProbability:
             if tuple(sample.image.shape) != (1, 16, 16):
                 raise ValueError(f"scores (1, 16, 16) images of the embedded model, got {tuple(sample.image.shape)}")
         images = torch.stack([sample.image.float() for sample in samples])
-        digits = torch.tensor([parse_digit_prompt(sample.prompt) for sample in samples])
+        digits = torch.tensor([self.parse_digit_prompt(sample.prompt) for sample in samples])
         with torch.no_grad():
             probabilities = in_fixed_batches(images, self.micro_batch_size, lambda rows: self.classifier(rows).softmax(-1))
         return probabilities.gather(1, digits.view(-1, 1)).squeeze(1).tolist()
