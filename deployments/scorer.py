@@ -7,13 +7,15 @@ is free it takes every part waiting, oldest first, up to `max_batch_size` sample
 a lone part is scored at once, and parts that arrive while it is busy share the next call. A
 sample's score does not depend on its companions (the scorers' own contract), so any grouping
 gives the same bits. If a call of several parts fails, each part is scored alone, so that one
-request's bad sample fails that request only. A group-aware scorer is called once per group.
+request's bad sample fails that request only. A group-aware scorer takes the same queue one group
+a call: a replica never runs its scorer on two threads at once, whichever kind it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +43,7 @@ class ScorerReplica:
         self.name = name
         self.scorer = build_scorer(config["kind"], config["options"])
         self.max_batch_size = config["max_batch_size"]
-        self._waiting: list[_Waiting] = []
+        self._waiting: deque[_Waiting] = deque()
         self._running: asyncio.Task | None = None
 
     async def group_aware(self) -> bool:
@@ -49,8 +51,6 @@ class ScorerReplica:
 
     async def score(self, samples: list[ScoringSample]) -> list[float]:
         """One score per sample; `ScorerError` naming this scorer if it fails or answers wrongly."""
-        if self.scorer.group_aware:
-            return await asyncio.to_thread(self._scored, samples)
         waiting = _Waiting(samples)
         self._waiting.append(waiting)
         if self._running is None or self._running.done():
@@ -58,10 +58,12 @@ class ScorerReplica:
         return await waiting.result
 
     async def _drain(self) -> None:
+        # A group-aware scorer's calls are its groups, never joined.
+        limit = 0 if self.scorer.group_aware else self.max_batch_size
         while self._waiting:
             taken, count = [], 0
-            while self._waiting and (not taken or count + len(self._waiting[0].samples) <= self.max_batch_size):
-                taken.append(self._waiting.pop(0))
+            while self._waiting and (not taken or count + len(self._waiting[0].samples) <= limit):
+                taken.append(self._waiting.popleft())
                 count += len(taken[-1].samples)
             try:
                 scores = await asyncio.to_thread(self._scored, [s for w in taken for s in w.samples])

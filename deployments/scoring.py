@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -117,7 +118,7 @@ class RequestScoring:
         for fetch in fetched:
             fetch.add_done_callback(lambda _: fetched_at.append(time.perf_counter()))
         calls: list[tuple[float, float]] = []  # (start, end) of every scoring call
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        starts = [0, *itertools.accumulate(sizes)][:-1]
         total = sum(sizes)
         rewards: dict[str, list[float | None]] = {name: [None] * total for name in self.plan.scorers}
 
