@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--candidates", type=int, nargs="+", default=list(DEFAULT_CANDIDATES))
     calibrate.add_argument("--guidance-scale", type=float, help="the requests' guidance_scale (CFG doubles the rows)")
     calibrate.add_argument("--true-cfg-scale", type=float, help="the requests' true_cfg_scale")
-    calibrate.add_argument("--repeats", type=int, default=3, help="timed calls per candidate; the fastest counts")
+    calibrate.add_argument("--repeats", type=int, default=5, help="rounds of one timed call per candidate, taken in turns; the fastest counts")
     calibrate.add_argument(
         "--batch-invariance",
         default="padding",

@@ -70,34 +70,46 @@ def calibrate(
     width: int,
     candidates: tuple[int, ...] = DEFAULT_CANDIDATES,
     guidance: dict | None = None,
-    repeats: int = 3,
+    repeats: int = 5,
     tolerance: float = 0.05,
 ) -> Calibration:
     """Times `pipeline.predict_velocity` on `candidate` rows of random latents, for each candidate,
     under the pipeline's kernels (`MicroBatching.kernels`).
 
+    The candidates take turns, one call each per round, after a warm-up call each, so that a slow
+    spell of a shared machine slows every candidate alike rather than the one timed during it.
+    Where the time per row is flat across sizes (a CPU), the pick still moves between neighbouring
+    sizes from run to run, which is then a choice between near-equal costs.
+
     Args:
         guidance: `guidance_scale` / `true_cfg_scale` of the requests to serve (CFG doubles the
             rows the transformer takes); None keeps the model's default.
-        repeats: timed calls per candidate after one warm-up call; the fastest counts.
+        repeats: rounds of timed calls; each candidate's fastest call counts.
     """
     if not candidates or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in candidates):
         raise ValueError(f"candidates must be integers >= 1, got {candidates!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     options, latent_shape, one_row, timestep = _probe(pipeline, height, width, guidance)
     generator = torch.Generator().manual_seed(0)
-    seconds_per_row = {}
+    calls = {}
     for rows in sorted(set(candidates)):
         conditioning = pad_conditioning(one_row, rows).map(lambda t: t.to(pipeline.device))
         x_t = torch.randn((rows, *latent_shape), generator=generator).to(pipeline.device)
-        times = []
-        with torch.no_grad(), pipeline.micro_batching.kernels():
-            for _ in range(repeats + 1):
-                started = time.perf_counter()
-                pipeline.predict_velocity(x_t, timestep.expand(rows), conditioning, options)
-                if pipeline.device.type == "cuda":
-                    torch.cuda.synchronize(pipeline.device)
-                times.append(time.perf_counter() - started)
-        seconds_per_row[rows] = min(times[1:]) / rows
+        calls[rows] = (x_t, timestep.expand(rows), conditioning)
+
+    def seconds_of(rows: int) -> float:
+        started = time.perf_counter()
+        pipeline.predict_velocity(*calls[rows], options)
+        if pipeline.device.type == "cuda":
+            torch.cuda.synchronize(pipeline.device)
+        return time.perf_counter() - started
+
+    with torch.no_grad(), pipeline.micro_batching.kernels():
+        for rows in calls:  # a warm-up call each
+            seconds_of(rows)
+        rounds = [{rows: seconds_of(rows) for rows in calls} for _ in range(repeats)]
+    seconds_per_row = {rows: min(times[rows] for times in rounds) / rows for rows in calls}
     best = min(seconds_per_row.values())
     if pipeline.micro_batching.invariance is BatchInvariance.KERNELS:
         tolerance = 0.0  # a call takes only the rows there are: a larger size costs a lone sample nothing

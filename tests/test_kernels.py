@@ -236,3 +236,10 @@ def test_calibration_under_kernels_picks_the_best_time_per_row(family_pipelines)
     calibration = calibrate(family_pipelines["sd3"], SIZE, SIZE, (1, 2, 4), GUIDED["sd3"], repeats=1)
     per_row = calibration.seconds_per_row
     assert per_row[calibration.chosen] == min(per_row.values())
+
+
+@pytest.mark.parametrize("arguments", [{"candidates": ()}, {"candidates": (0, 2)}, {"repeats": 0}, {"repeats": True}])
+def test_calibration_names_a_bad_argument(family_pipelines, arguments):
+    name = next(iter(arguments))
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        calibrate(family_pipelines["sd3"], SIZE, SIZE, **arguments)
