@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.throughput                       # the table, 5 rounds
     .venv/bin/python -m benchmarks.throughput --micro-batch-sizes 4 16 --batch-sizes 1 4 16 64 --cfg-batch-sizes 16 64
     .venv/bin/python -m benchmarks.throughput --batch-invariance padding kernels   # both ways, in turns
-    .venv/bin/python -m benchmarks.throughput --pipeline-output pt  # the pipeline decodes its images too
+    .venv/bin/python -m benchmarks.throughput --pipeline-output latent pt  # and the pipeline decoding too
     .venv/bin/python -m benchmarks.throughput --families sd3 --memory    # peak memory too
     .venv/bin/python -m benchmarks.throughput --output docs/throughput.md
 
@@ -12,8 +12,8 @@ Tiny SD3, FLUX.1 and Qwen-Image copies (`rollout/tiny_families.py`) widened to 8
 its batch invariance kept by padding or by batch-invariant kernels (`rollout/kernels.py`); the
 pipeline is the family's own `pipeline(...)` on the same prompt, sizes, steps and guidance, with
 `output_type="latent"` (issue 18's baseline: it decodes nothing, the rollout decodes its images) or
-`"pt"` (it decodes them too). The two take turns, round by round, after a warm-up each; each cell is
-the median (min - max) over rounds of rollout time / pipeline time.
+`"pt"` (it decodes them too: equal work). The calls take turns, round by round, after a warm-up
+each; each cell is the median (min - max) over rounds of rollout time / pipeline time.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def build_families(root: Path, names=tuple(STEPS)) -> dict[str, Path]:
     return {name: FAMILY_BUILDERS[name](root / name, transformer_heads=TRANSFORMER_HEADS) for name in names}
 
 
-def runs(family, name: str, batch_size: int, cfg: bool, pipeline_output: str = "latent") -> dict:
-    """The two calls compared: the rollout and the pipeline (`output_type=pipeline_output`)."""
+def runs(family, name: str, batch_size: int, cfg: bool, pipeline_outputs=("latent",)) -> dict:
+    """The calls compared: the rollout, and the pipeline with each `output_type` in `pipeline_outputs`
+    (named `pipeline latent`, `pipeline pt`)."""
     guidance = GUIDANCE[name][cfg]
     options = SamplingOptions(
         num_inference_steps=STEPS[name], height=SIZE, width=SIZE, sde_type=TransitionKind.ODE, **guidance
@@ -73,20 +74,20 @@ def runs(family, name: str, batch_size: int, cfg: bool, pipeline_output: str = "
     def rollout():
         sample(family, [PROMPT] * batch_size, seeds=list(range(batch_size)), options=options)
 
-    def pipeline():
-        family.pipe(
+    def pipeline(output_type: str):
+        return lambda: family.pipe(
             prompt=PROMPT,
             num_images_per_prompt=batch_size,
             height=SIZE,
             width=SIZE,
             num_inference_steps=STEPS[name],
-            output_type=pipeline_output,
+            output_type=output_type,
             generator=torch.Generator().manual_seed(0),
             **negative,
             **guidance,
         )
 
-    return {"rollout": rollout, "pipeline": pipeline}
+    return {"rollout": rollout, **{f"pipeline {output}": pipeline(output) for output in pipeline_outputs}}
 
 
 def calibrated_size(path: Path, name: str) -> tuple[int, str]:
@@ -98,13 +99,15 @@ def calibrated_size(path: Path, name: str) -> tuple[int, str]:
 
 @dataclass(frozen=True)
 class Cell:
-    """One load's rollout / pipeline time, for one family and way of batching."""
+    """One load's rollout / pipeline time, for one family and way of batching, against the pipeline
+    called with `output_type=pipeline_output` ("latent": it decodes nothing; "pt": it decodes too)."""
 
     family: str
     invariance: BatchInvariance
     micro_batch_size: int
     batch_size: int
     cfg: bool
+    pipeline_output: str
     ratio: Spread
 
 
@@ -115,9 +118,10 @@ def measure(
     rounds: int,
     calibrated: bool,
     invariances=(BatchInvariance.PADDING,),
-    pipeline_output: str = "latent",
+    pipeline_outputs=("latent",),
 ) -> tuple[list[Cell], list[str]]:
-    """A `Cell` per family, batch invariance, micro-batch size and load, and the calibrations run."""
+    """A `Cell` per family, batch invariance, micro-batch size, load and pipeline output, and the
+    calibrations run. The pipeline's outputs take their turns in the same rounds as the rollout."""
     cells, calibrations = [], []
     for name, path in families.items():
         sizes = list(micro_batch_sizes)
@@ -130,14 +134,15 @@ def measure(
             for micro_batch_size in sizes:
                 family = load_pipeline(None, path, micro_batching=MicroBatching(micro_batch_size, invariance=invariance))
                 for batch_size, cfg in loads:
-                    times = take_turns(runs(family, name, batch_size, cfg, pipeline_output), rounds)
-                    ratio = Spread(tuple(r / p for r, p in zip(times["rollout"], times["pipeline"])))
-                    cells.append(Cell(name, invariance, micro_batch_size, batch_size, cfg, ratio))
-                    print(
-                        f"{name} {invariance.value} micro-batch {micro_batch_size} B={batch_size}{' CFG' if cfg else ''}: "
-                        f"{ratio}",
-                        flush=True,
-                    )
+                    times = take_turns(runs(family, name, batch_size, cfg, pipeline_outputs), rounds)
+                    for output in pipeline_outputs:
+                        ratio = Spread(tuple(r / p for r, p in zip(times["rollout"], times[f"pipeline {output}"])))
+                        cells.append(Cell(name, invariance, micro_batch_size, batch_size, cfg, output, ratio))
+                        print(
+                            f"{name} {invariance.value} micro-batch {micro_batch_size} B={batch_size}"
+                            f"{' CFG' if cfg else ''} against {output}: {ratio}",
+                            flush=True,
+                        )
     return cells, calibrations
 
 
@@ -234,17 +239,18 @@ def memory_table(rows: list[PeakMemory], batch_size: int, steps: int, size: int)
 def table(cells: list[Cell], loads) -> list[str]:
     columns = [f"B={b}{' with CFG' if cfg else ''}" for b, cfg in loads]
     lines = [
-        "| family (steps) | batch invariance | micro-batch | " + " | ".join(columns) + " |",
-        "|---" * (len(columns) + 3) + "|",
+        "| family (steps) | batch invariance | micro-batch | pipeline output | " + " | ".join(columns) + " |",
+        "|---" * (len(columns) + 4) + "|",
     ]
     keys = sorted(
-        {(c.family, c.invariance, c.micro_batch_size) for c in cells},
-        key=lambda k: (list(STEPS).index(k[0]), list(BatchInvariance).index(k[1]), k[2]),
+        {(c.family, c.invariance, c.micro_batch_size, c.pipeline_output) for c in cells},
+        key=lambda k: (list(STEPS).index(k[0]), list(BatchInvariance).index(k[1]), k[2], k[3]),
     )
-    for name, invariance, micro_batch_size in keys:
-        row = {(c.batch_size, c.cfg): c.ratio for c in cells if (c.family, c.invariance, c.micro_batch_size) == (name, invariance, micro_batch_size)}
+    for key in keys:
+        name, invariance, micro_batch_size, output = key
+        row = {(c.batch_size, c.cfg): c.ratio for c in cells if (c.family, c.invariance, c.micro_batch_size, c.pipeline_output) == key}
         values = " | ".join(f"{row[load]:.2f}" for load in loads)
-        lines.append(f"| {name} (T={STEPS[name]}) | {invariance.value} | {micro_batch_size} | {values} |")
+        lines.append(f"| {name} (T={STEPS[name]}) | {invariance.value} | {micro_batch_size} | {output} | {values} |")
     return lines
 
 
@@ -259,7 +265,7 @@ def parameter_counts(families: dict[str, Path]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[4])
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="*", default=[4], help="none: only the calibrated one")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--cfg-batch-sizes", type=int, nargs="*", default=[16], help="batch sizes also run with CFG")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -270,7 +276,9 @@ def main() -> None:
     parser.add_argument(
         "--batch-invariance", nargs="+", type=BatchInvariance, default=[BatchInvariance.PADDING], help="padding, kernels"
     )
-    parser.add_argument("--pipeline-output", choices=["latent", "pt"], default="latent", help="the pipeline's output_type")
+    parser.add_argument(
+        "--pipeline-output", nargs="+", choices=["latent", "pt"], default=["latent"], help="the pipeline's output_types"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loads = [(b, False) for b in args.batch_sizes] + [(b, True) for b in args.cfg_batch_sizes]
@@ -296,8 +304,8 @@ def main() -> None:
                 f"torch {torch.__version__}. Date: {datetime.date.today().isoformat()}.  "
             ),
             (
-                f"Transformer parameters: {counts}. Rollout time / `pipeline(..., output_type=\"{args.pipeline_output}\")` "
-                f"time, median (min - max) of {args.rounds} rounds taken in turns."
+                f"Transformer parameters: {counts}. Rollout time / `pipeline(..., output_type=...)` time (the "
+                f"table's pipeline output), median (min - max) of {args.rounds} rounds taken in turns."
             ),
             "",
         ]
