@@ -121,6 +121,12 @@ def _one_sample_at_a_time(func: Callable, batched: tuple[str, ...], args: tuple,
     return outputs[0] if size == 1 else torch.cat(outputs)
 
 
+def zero_padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor` with zero rows appended up to `rows` rows: the padding of fixed-size calls, whose
+    results for the padded rows are dropped."""
+    return torch.cat([tensor, tensor.new_zeros((rows - len(tensor), *tensor.shape[1:]))])
+
+
 def kernels_for(invariance: BatchInvariance) -> contextlib.AbstractContextManager:
     """The context model calls run in: `BatchInvariantKernels` for `KERNELS`, nothing for `PADDING`."""
     if invariance is BatchInvariance.KERNELS:

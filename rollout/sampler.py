@@ -29,12 +29,12 @@ from typing import Sequence
 import torch
 
 from rollout.errors import InvalidRequestError
+from rollout.kernels import zero_padded
 from rollout.models.base import (
     BucketedConditioning,
     Conditioning,
     ConditioningBucket,
     RolloutPipeline,
-    zero_padded,
 )
 from rollout.options import SamplingOptions, check_seed
 from rollout.trajectory import RolloutBatch, SampleTrajectory, StepDebug

@@ -240,12 +240,6 @@ def check_single_denoiser(expert: int) -> None:
         raise ValueError(f"the model has one denoiser (expert 0), not expert {expert}")
 
 
-def zero_padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """`tensor` with zero rows appended up to `rows` rows: the padding of fixed-size calls, whose
-    results for the padded rows are dropped."""
-    return torch.cat([tensor, tensor.new_zeros((rows - len(tensor), *tensor.shape[1:]))])
-
-
 def parse_image_size(text: str) -> tuple[int, int] | None:
     """`(height, width)` of a size written `"<height>x<width>"`, as `"1024x1024"`; None if it is not one."""
     height, _, width = text.partition("x")

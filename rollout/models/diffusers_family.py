@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from rollout.errors import ModelLoadError, UnknownPromptError
+from rollout.kernels import zero_padded
 from rollout.models.base import (
     BucketedConditioning,
     Conditioning,
@@ -36,7 +37,6 @@ from rollout.models.base import (
     MicroBatching,
     check_image_frames,
     check_single_denoiser,
-    zero_padded,
 )
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from rollout.errors import ScorerError
+from rollout.kernels import zero_padded
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,7 @@ def in_fixed_batches(rows: torch.Tensor, batch_size: int, call: Callable[[torch.
     results = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        padding = chunk.new_zeros((batch_size - len(chunk), *chunk.shape[1:]))
-        results.append(call(torch.cat([chunk, padding]))[: len(chunk)])
+        results.append(call(zero_padded(chunk, batch_size))[: len(chunk)])
     return torch.cat(results)
 
 
