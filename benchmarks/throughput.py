@@ -93,8 +93,8 @@ def runs(family, name: str, batch_size: int, cfg: bool, pipeline_outputs=("laten
 def calibrated_size(path: Path, name: str) -> tuple[int, str]:
     """The micro-batch size `rollout.calibration` picks for the family at SIZE, with CFG, and its times."""
     calibration = calibrate(load_pipeline(None, path), SIZE, SIZE, CALIBRATION_CANDIDATES, GUIDANCE[name][True])
-    per_row = ", ".join(f"{rows}: {seconds * 1e3:.2f}" for rows, seconds in calibration.seconds_per_row.items())
-    return calibration.chosen, f"{name}: ms per row {{{per_row}}}, chosen {calibration.chosen}"
+    per_sample = ", ".join(f"{rows}: {seconds * 1e3:.2f}" for rows, seconds in calibration.seconds_per_sample.items())
+    return calibration.chosen, f"{name}: ms per sample {{{per_sample}}}, chosen {calibration.chosen}"
 
 
 @dataclass(frozen=True)

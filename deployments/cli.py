@@ -289,13 +289,13 @@ def calibrate(arguments: argparse.Namespace) -> None:
     candidates = sorted(set(arguments.candidates))
     print(
         f"{pipeline.name}, {arguments.dtype}, on {pipeline.device}, batch invariance by {arguments.batch_invariance}: "
-        "ms per row of a full transformer call"
+        f"ms per sample of a rollout of {max(candidates)} samples"
     )
     print("| size | " + " | ".join(map(str, candidates)) + " | chosen |")
     print("|---" * (len(candidates) + 2) + "|")
     for result in results:
-        per_row = " | ".join(f"{result.seconds_per_row[c] * 1e3:.2f}" for c in candidates)
-        print(f"| {result.size_key} | {per_row} | {result.chosen} |")
+        per_sample = " | ".join(f"{result.seconds_per_sample[c] * 1e3:.2f}" for c in candidates)
+        print(f"| {result.size_key} | {per_sample} | {result.chosen} |")
     for result, check in zip(results, checks):
         verdict = "holds" if check.holds else "does NOT hold: use padding"
         print(

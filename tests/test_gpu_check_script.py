@@ -28,8 +28,8 @@ def test_the_gpu_check_runs_on_the_tiny_copies(tmp_path):
     assert findings["replay_max_abs_dlogp"] == 0.0 and findings["log_probs_finite"]
     assert findings["ode_vs_pipeline_max_abs_latent_diff"] < 0.1 * findings["latent_abs_max"]
     # The calibration it ran, and the throughput at each batch size with the size it chose.
-    per_row = {int(rows): seconds for rows, seconds in findings["micro_batch_seconds_per_row"].items()}
-    assert set(per_row) == {1, 2} and findings["micro_batch_chosen"] in per_row
+    per_sample = {int(rows): seconds for rows, seconds in findings["micro_batch_seconds_per_sample"].items()}
+    assert set(per_sample) == {1, 2} and findings["micro_batch_chosen"] in per_sample
     throughput = findings["throughput_by_batch_size"]
     assert set(throughput) == {"1", "8"}
     for rates in throughput.values():

@@ -232,10 +232,10 @@ def test_the_device_check_holds_under_kernels_and_sees_what_padding_is_for(famil
     assert caught.value.field == "model.batch_invariance" and "use 'padding'" in caught.value.reason
 
 
-def test_calibration_under_kernels_picks_the_best_time_per_row(family_pipelines):
+def test_calibration_under_kernels_picks_the_best_time_per_sample(family_pipelines):
     calibration = calibrate(family_pipelines["sd3"], SIZE, SIZE, (1, 2, 4), GUIDED["sd3"], repeats=1)
-    per_row = calibration.seconds_per_row
-    assert per_row[calibration.chosen] == min(per_row.values())
+    per_sample = calibration.seconds_per_sample
+    assert per_sample[calibration.chosen] == min(per_sample.values())
 
 
 @pytest.mark.parametrize("arguments", [{"candidates": ()}, {"candidates": (0, 2)}, {"repeats": 0}, {"repeats": True}])

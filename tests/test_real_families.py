@@ -188,12 +188,12 @@ def test_a_sample_is_the_same_alone_and_in_a_batch(pipelines, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_calibrated_micro_batch_is_the_smallest_near_the_best_time_per_row_and_keeps_invariance(pipelines, family):
+def test_the_calibrated_micro_batch_is_the_smallest_near_the_best_time_per_sample_and_keeps_invariance(pipelines, family):
     candidates = (1, 2, 4)
     calibration = calibrate(pipelines(family), SIZE, SIZE, candidates, guidance(family, True)[0], repeats=1)
-    per_row = calibration.seconds_per_row
-    assert set(per_row) == set(candidates) and calibration.size_key == f"{SIZE}x{SIZE}"
-    within = [c for c in candidates if per_row[c] <= min(per_row.values()) * 1.05]
+    per_sample = calibration.seconds_per_sample
+    assert set(per_sample) == set(candidates) and calibration.size_key == f"{SIZE}x{SIZE}"
+    within = [c for c in candidates if per_sample[c] <= min(per_sample.values()) * 1.05]
     assert calibration.chosen == min(within)
     # Three samples padded to the chosen size (the transformer and the VAE), against one alone.
     assert_batch_invariant(pipelines(family, micro_batch_size=calibration.chosen), family)

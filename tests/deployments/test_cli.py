@@ -150,7 +150,7 @@ def test_calibrate_prints_the_table_and_writes_it_into_a_serve_config_file(tmp_p
     config_file.write_text(SERVE_CONFIG.read_text())
     cli.main(["calibrate", "--size", "16x16", "--candidates", "1", "2", "--repeats", "1", "--write", str(config_file)])
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0] == "embedded-digits, float32, on cpu, batch invariance by padding: ms per row of a full transformer call"
+    assert printed[0] == "embedded-digits, float32, on cpu, batch invariance by padding: ms per sample of a rollout of 2 samples"
     assert printed[1] == "| size | 1 | 2 | chosen |" and printed[3].startswith("| 16x16 | ")
     chosen = int(printed[3].rsplit("|", 2)[1])
     assert printed[4] == f'model.micro_batch_sizes: {{"16x16": {chosen}}}'
