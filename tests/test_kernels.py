@@ -236,6 +236,7 @@ def test_calibration_under_kernels_picks_the_best_time_per_sample(family_pipelin
     calibration = calibrate(family_pipelines["sd3"], SIZE, SIZE, (1, 2, 4), GUIDED["sd3"], repeats=1)
     per_sample = calibration.seconds_per_sample
     assert per_sample[calibration.chosen] == min(per_sample.values())
+    assert family_pipelines["sd3"].micro_batching == kernels()  # each candidate's setting undone
 
 
 @pytest.mark.parametrize("arguments", [{"candidates": ()}, {"candidates": (0, 2)}, {"repeats": 0}, {"repeats": True}])
