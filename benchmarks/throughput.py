@@ -90,11 +90,20 @@ def runs(family, name: str, batch_size: int, cfg: bool, pipeline_outputs=("laten
     return {"rollout": rollout, **{f"pipeline {output}": pipeline(output) for output in pipeline_outputs}}
 
 
-def calibrated_size(path: Path, name: str) -> tuple[int, str]:
-    """The micro-batch size `rollout.calibration` picks for the family at SIZE, with CFG, and its times."""
+def calibrated_sizes(path: Path, name: str) -> tuple[int, int, str]:
+    """The transformer's and the VAE's micro-batch sizes `rollout.calibration` picks for the family
+    at SIZE, with CFG, and its times."""
     calibration = calibrate(load_pipeline(None, path), SIZE, SIZE, CALIBRATION_CANDIDATES, GUIDANCE[name][True])
-    per_sample = ", ".join(f"{rows}: {seconds * 1e3:.2f}" for rows, seconds in calibration.seconds_per_sample.items())
-    return calibration.chosen, f"{name}: ms per sample {{{per_sample}}}, chosen {calibration.chosen}"
+
+    def ms(per_sample: dict[int, float]) -> str:
+        return "{" + ", ".join(f"{rows}: {seconds * 1e3:.2f}" for rows, seconds in per_sample.items()) + "}"
+
+    report = (
+        f"{name}: ms per sample, rollout less its decode {ms(calibration.denoising_seconds_per_sample)}, "
+        f"decode {ms(calibration.decode_seconds_per_sample)}; chosen {calibration.chosen} for the transformer, "
+        f"{calibration.chosen_for_decode} for the VAE"
+    )
+    return calibration.chosen, calibration.chosen_for_decode, report
 
 
 @dataclass(frozen=True)
@@ -104,7 +113,7 @@ class Cell:
 
     family: str
     invariance: BatchInvariance
-    micro_batch_size: int
+    micro_batch: str  # the transformer's size, and the VAE's where it has its own
     batch_size: int
     cfg: bool
     pipeline_output: str
@@ -124,22 +133,26 @@ def measure(
     calibrations run. The pipeline's outputs take their turns in the same rounds as the rollout."""
     cells, calibrations = [], []
     for name, path in families.items():
-        sizes = list(micro_batch_sizes)
+        sizes = [(rows, rows) for rows in micro_batch_sizes]  # (the transformer's, the VAE's)
         if calibrated:
-            chosen, report = calibrated_size(path, name)
+            chosen, chosen_for_decode, report = calibrated_sizes(path, name)
             print(report, flush=True)
             calibrations.append(report)
-            sizes = sorted({*sizes, chosen})
+            sizes = sorted({*sizes, (chosen, chosen_for_decode)})
         for invariance in invariances:
-            for micro_batch_size in sizes:
-                family = load_pipeline(None, path, micro_batching=MicroBatching(micro_batch_size, invariance=invariance))
+            # Under the kernels the VAE decodes an image a call, whatever its size.
+            kernels = invariance is BatchInvariance.KERNELS
+            for rows, images in sorted({(rows, rows if kernels else images) for rows, images in sizes}):
+                micro_batching = MicroBatching(rows, invariance=invariance, decode_default=images)
+                micro_batch = str(rows) if rows == images else f"{rows}, VAE {images}"
+                family = load_pipeline(None, path, micro_batching=micro_batching)
                 for batch_size, cfg in loads:
                     times = take_turns(runs(family, name, batch_size, cfg, pipeline_outputs), rounds)
                     for output in pipeline_outputs:
                         ratio = Spread(tuple(r / p for r, p in zip(times["rollout"], times[f"pipeline {output}"])))
-                        cells.append(Cell(name, invariance, micro_batch_size, batch_size, cfg, output, ratio))
+                        cells.append(Cell(name, invariance, micro_batch, batch_size, cfg, output, ratio))
                         print(
-                            f"{name} {invariance.value} micro-batch {micro_batch_size} B={batch_size}"
+                            f"{name} {invariance.value} micro-batch {micro_batch} B={batch_size}"
                             f"{' CFG' if cfg else ''} against {output}: {ratio}",
                             flush=True,
                         )
@@ -242,15 +255,13 @@ def table(cells: list[Cell], loads) -> list[str]:
         "| family (steps) | batch invariance | micro-batch | pipeline output | " + " | ".join(columns) + " |",
         "|---" * (len(columns) + 4) + "|",
     ]
-    keys = sorted(
-        {(c.family, c.invariance, c.micro_batch_size, c.pipeline_output) for c in cells},
-        key=lambda k: (list(STEPS).index(k[0]), list(BatchInvariance).index(k[1]), k[2], k[3]),
-    )
+    keys = list(dict.fromkeys((c.family, c.invariance, c.micro_batch, c.pipeline_output) for c in cells))
+    keys.sort(key=lambda k: (list(STEPS).index(k[0]), list(BatchInvariance).index(k[1])))
     for key in keys:
-        name, invariance, micro_batch_size, output = key
-        row = {(c.batch_size, c.cfg): c.ratio for c in cells if (c.family, c.invariance, c.micro_batch_size, c.pipeline_output) == key}
+        name, invariance, micro_batch, output = key
+        row = {(c.batch_size, c.cfg): c.ratio for c in cells if (c.family, c.invariance, c.micro_batch, c.pipeline_output) == key}
         values = " | ".join(f"{row[load]:.2f}" for load in loads)
-        lines.append(f"| {name} (T={STEPS[name]}) | {invariance.value} | {micro_batch_size} | {output} | {values} |")
+        lines.append(f"| {name} (T={STEPS[name]}) | {invariance.value} | {micro_batch} | {output} | {values} |")
     return lines
 
 

@@ -13,9 +13,10 @@
 it stops with one line and exit status 1 when the application cannot start, and on Ctrl-C or
 SIGTERM it answers every request in flight before it stops: with its samples if they are done
 within half of `graceful_shutdown_timeout_s`, else with a retryable 503. `info` and `health` send
-`ROLLOUT_AUTH_TOKEN`, when set, as the bearer token. `calibrate` times the model's transformer
-call at each candidate micro-batch size on this machine (`rollout.calibration`) and prints, or
-writes into a Serve config file's application args, the `model.micro_batch_sizes` it picks.
+`ROLLOUT_AUTH_TOKEN`, when set, as the bearer token. `calibrate` times a rollout and its decode
+at each candidate micro-batch size on this machine (`rollout.calibration`) and prints, or writes
+into a Serve config file's application args, the `model.micro_batch_sizes` (transformer) and
+`model.decode_batch_sizes` (VAE) it picks.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--url", default=default, help=f"the server's base URL ({default})")
         command.add_argument("--json", action="store_true", help="print the whole answer as JSON")
 
-    calibrate = commands.add_parser("calibrate", help="measure and pick the micro-batch size per image size")
+    calibrate = commands.add_parser("calibrate", help="measure and pick the transformer's and the VAE's micro-batch sizes per image size")
     calibrate.add_argument("--model", metavar="PATH", help="local diffusers directory (default: the embedded model)")
     calibrate.add_argument("--size", action="append", metavar="HxW", help="image size to calibrate (repeatable)")
     calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -94,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
         "--write",
         metavar="FILE",
         type=Path,
-        help="set model.micro_batch_sizes in this Serve config file (drops its comments)",
+        help="set model.micro_batch_sizes (and, with padding, model.decode_batch_sizes) in this Serve config file "
+        "(drops its comments)",
     )
     return parser
 
@@ -289,13 +291,18 @@ def calibrate(arguments: argparse.Namespace) -> None:
     candidates = sorted(set(arguments.candidates))
     print(
         f"{pipeline.name}, {arguments.dtype}, on {pipeline.device}, batch invariance by {arguments.batch_invariance}: "
-        f"ms per sample of a rollout of {max(candidates)} samples"
+        f"ms per sample of a rollout of {max(candidates)} samples less its decode, and of the decode alone, "
+        "in calls of each size"
     )
-    print("| size | " + " | ".join(map(str, candidates)) + " | chosen |")
-    print("|---" * (len(candidates) + 2) + "|")
+    print("| size | calls of | " + " | ".join(map(str, candidates)) + " | chosen |")
+    print("|---" * (len(candidates) + 3) + "|")
     for result in results:
-        per_sample = " | ".join(f"{result.seconds_per_sample[c] * 1e3:.2f}" for c in candidates)
-        print(f"| {result.size_key} | {per_sample} | {result.chosen} |")
+        for part, per_sample, chosen in (
+            ("transformer", result.denoising_seconds_per_sample, result.chosen),
+            ("VAE", result.decode_seconds_per_sample, result.chosen_for_decode),
+        ):
+            times = " | ".join(f"{per_sample[c] * 1e3:.2f}" for c in candidates)
+            print(f"| {result.size_key} | {part} | {times} | {'an image a call' if chosen is None else chosen} |")
     for result, check in zip(results, checks):
         verdict = "holds" if check.holds else "does NOT hold: use padding"
         print(
@@ -304,17 +311,21 @@ def calibrate(arguments: argparse.Namespace) -> None:
         )
     if not all(check.holds for check in checks):
         raise SystemExit(1)
-    table = {result.size_key: result.chosen for result in results}
-    print(f"model.micro_batch_sizes: {json.dumps(table)}")
+    tables = {"micro_batch_sizes": {result.size_key: result.chosen for result in results}}
+    if not kernels:  # under the kernels the VAE decodes an image a call, whatever its size
+        tables["decode_batch_sizes"] = {result.size_key: result.chosen_for_decode for result in results}
+    for field, table in tables.items():
+        print(f"model.{field}: {json.dumps(table)}")
     if arguments.write is not None:
-        _write_micro_batch_sizes(arguments.write, table, arguments.batch_invariance if kernels else None)
+        _write_micro_batch_sizes(arguments.write, tables, arguments.batch_invariance if kernels else None)
         print(f"wrote them into {arguments.write}")
 
 
-def _write_micro_batch_sizes(path: Path, table: dict[str, int], batch_invariance: str | None) -> None:
+def _write_micro_batch_sizes(path: Path, tables: dict[str, dict[str, int]], batch_invariance: str | None) -> None:
     config = _read_serve_config(path)
     model = config["applications"][0].setdefault("args", {}).setdefault("model", {})
-    model["micro_batch_sizes"] = {**(model.get("micro_batch_sizes") or {}), **table}
+    for field, table in tables.items():
+        model[field] = {**(model.get(field) or {}), **table}
     if batch_invariance is not None:  # the sizes were measured under it
         model["batch_invariance"] = batch_invariance
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -67,6 +67,15 @@ class ModelConfig(BaseModel):
     micro_batch_sizes: dict[str, int] = Field(
         default_factory=dict, description="Samples per transformer call by image size, e.g. {'1024x1024': 2}."
     )
+    decode_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Images per VAE call (the decode pads to it, with 'padding'); None: the transformer's micro-batch "
+        "for the image size.",
+    )
+    decode_batch_sizes: dict[str, int] = Field(
+        default_factory=dict, description="Images per VAE call by image size, e.g. {'1024x1024': 4}."
+    )
     batch_invariance: Literal["padding", "kernels"] = Field(
         "padding",
         description="What keeps a sample's bits independent of its companions: 'padding' (every call takes "
@@ -90,7 +99,7 @@ class ModelConfig(BaseModel):
         "the start at once; false where only the worker nodes have the directory.",
     )
 
-    @field_validator("micro_batch_sizes")
+    @field_validator("micro_batch_sizes", "decode_batch_sizes")
     @classmethod
     def _sizes_parse(cls, sizes: dict[str, int]) -> dict[str, int]:
         try:
@@ -121,9 +130,13 @@ class ModelConfig(BaseModel):
 
     def micro_batching(self, model_default: int) -> MicroBatching:
         """The configured micro-batches and batch invariance; sizes not listed keep `micro_batch_size`,
-        else `model_default`."""
+        else `model_default`, and decode in calls of `decode_batch_size`, else the transformer's size."""
         return MicroBatching.parse(
-            self.micro_batch_size or model_default, self.micro_batch_sizes, self.batch_invariance
+            self.micro_batch_size or model_default,
+            self.micro_batch_sizes,
+            self.batch_invariance,
+            self.decode_batch_size,
+            self.decode_batch_sizes,
         )
 
 

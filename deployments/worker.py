@@ -21,7 +21,6 @@ from deployments.memory import MemoryOccupation
 from deployments.weights import ServedWeights
 from rollout.calibration import require_batch_invariance
 from rollout.errors import InvalidRequestError, NonFiniteOutputError, RolloutError
-from rollout.kernels import BatchInvariance
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.plan import SamplingWork
@@ -88,12 +87,12 @@ class RolloutWorker:
         self.pipeline = load_pipeline(
             name, self.model_path, dtype=dtype, max_sequence_length=model.max_sequence_length, vae_tiling=model.vae_tiling
         )
-        self.pipeline.micro_batching = model.micro_batching(self.pipeline.micro_batching.default)
-        if self.pipeline.micro_batching.invariance is BatchInvariance.KERNELS:
-            # On the sampling thread: its torch threads are part of what the kernels do.
-            await self._on_sampling_thread(
-                require_batch_invariance, self.pipeline, self.pipeline.default_height, self.pipeline.default_width
-            )
+        micro_batching = self.pipeline.micro_batching = model.micro_batching(self.pipeline.micro_batching.default)
+        # At the model's default image size and each one configured, on the sampling thread: its
+        # torch threads are part of what the kernels do.
+        default_size = (self.pipeline.default_height, self.pipeline.default_width)
+        for height, width in sorted({default_size, *micro_batching.by_size, *micro_batching.decode_by_size}):
+            await self._on_sampling_thread(require_batch_invariance, self.pipeline, height, width)
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()

@@ -1,14 +1,19 @@
-"""Measurements on the serving device: the micro-batch size, and whether batch-invariant kernels hold.
+"""Measurements on the serving device: the micro-batch sizes, and whether batch-invariant kernels hold.
 
 With padding, batch invariance needs every model call to take the same number of rows, not a small
 one. Larger calls cost less per sample until the device is saturated, and a lone sample pays for
-the rows its call is padded to. `calibrate` times the rollout itself at each candidate size, on this
-device, in this dtype, at one image size, and picks the smallest size whose time per sample is
-within `tolerance` of the best: the throughput of the largest calls for the least padding. Under
-batch-invariant kernels nothing is padded, so it picks the size with the best time per sample.
+the rows its call is padded to. `calibrate` times the rollout itself at each candidate size, and
+the VAE's decode of its samples, on this device, in this dtype, at one image size, and picks for
+the transformer and for the VAE, each on its own time, the smallest size whose time per sample is
+within `tolerance` of the best, among the sizes whose calls give a sample the same bits at every
+position in them: the throughput of the largest calls for the least padding. Under
+batch-invariant kernels nothing is padded, so it picks the transformer's size with the best time
+per sample, and the VAE decodes an image a call.
 
-`check_batch_invariance` tests, on the device, what batch-invariant kernels promise: a sample's
-velocity and image alone equal its velocity and image in a call of three, bit for bit.
+`check_batch_invariance` tests, on the device, what the batch invariance promises: under
+batch-invariant kernels, a sample's velocity and image alone equal its velocity and image in a call
+of three; under padding, a sample's velocity and image in a whole micro-batch do not change when
+it moves to another position in it. Bit for bit.
 """
 
 from __future__ import annotations
@@ -36,21 +41,38 @@ class Calibration:
     """One image size's measurement.
 
     Attributes:
-        seconds_per_sample: candidate micro-batch size -> the best time of a rollout of
-            `max(candidates)` samples at that size, per sample.
-        chosen: the smallest candidate within the tolerance of the best time per sample (with
-            padding), or the best (under batch-invariant kernels).
+        seconds_per_sample: candidate size -> the best time of a rollout of `max(candidates)`
+            samples with the transformer's and the VAE's calls of that size, per sample.
+        decode_seconds_per_sample: candidate size -> the best time of the VAE's decode of those
+            samples alone in calls of that size, per sample.
+        chosen: the transformer's micro-batch size: the smallest candidate within the tolerance of
+            the best time per sample of the rollout less its decode (with padding), or the best
+            (under batch-invariant kernels).
+        chosen_for_decode: the VAE's: the smallest candidate within the tolerance of the best
+            decode time per sample (with padding); None under batch-invariant kernels, which decode
+            an image a call.
+        checks: with padding, candidate size -> `check_batch_invariance` in calls of that size;
+            a size at which the transformer (the VAE) gives a sample other bits at another position
+            in the call is not chosen for it.
     """
 
     height: int
     width: int
     seconds_per_sample: dict[int, float]
+    decode_seconds_per_sample: dict[int, float]
     chosen: int
+    chosen_for_decode: int | None
+    checks: dict[int, "InvarianceCheck"]
 
     @property
     def size_key(self) -> str:
-        """The key of `model.micro_batch_sizes` in the app config."""
+        """The key of `model.micro_batch_sizes` and `model.decode_batch_sizes` in the app config."""
         return f"{self.height}x{self.width}"
+
+    @property
+    def denoising_seconds_per_sample(self) -> dict[int, float]:
+        """The rollout's time per sample less its decode's: encoding, transformer calls and steps."""
+        return {rows: seconds - self.decode_seconds_per_sample[rows] for rows, seconds in self.seconds_per_sample.items()}
 
 
 def _probe(
@@ -77,18 +99,28 @@ def calibrate(
     tolerance: float = 0.05,
 ) -> Calibration:
     """Times a rollout of `max(candidates)` samples (`CALIBRATION_STEPS` steps, then the decode)
-    with the pipeline's micro-batch size set to each candidate in turn, under its batch invariance.
+    with the pipeline's transformer and VAE calls set to each candidate size in turn, under its
+    batch invariance, and the decode of the rollout's latents alone at that size.
 
     A rollout, not one transformer call: each timing then spans every call the size makes, and
-    includes what else grows with the number of calls (the sampler's work around each call, the
-    VAE's calls). Timing one call per candidate, on this project's shared 2-core CPU, picked 2, 4,
-    8 or 16 for the same model from run to run; once it found calls of 2 SD3 samples (tiny copy,
-    128 px, CFG) 2% cheaper per sample than calls of 4, where in a rollout of 16 samples the
-    transformer took 4.11 s in calls of 2 against 3.52 s in calls of 4.
+    includes what else grows with the number of calls (the sampler's work around each call).
+    Timing one call per candidate, on this project's shared 2-core CPU, picked 2, 4, 8 or 16 for
+    the same model from run to run; once it found calls of 2 SD3 samples (tiny copy, 128 px, CFG)
+    2% cheaper per sample than calls of 4, where in a rollout of 16 samples the transformer took
+    4.11 s in calls of 2 against 3.52 s in calls of 4.
 
-    The candidates take turns, one rollout each per round, after a warm-up each, so that a slow
-    spell of a shared machine slows every candidate alike rather than the one timed during it.
-    The pipeline's micro-batching is restored afterwards.
+    The transformer's size is picked on the rollout's time less its decode's, the VAE's on the
+    decode's alone: a choice on the rollout's whole time weighs the decode as two steps' worth of
+    denoising would, and picked 4 for tiny Qwen-Image, whose VAE is fastest in calls of 4 to 8 and
+    whose transformer is fastest in calls of 16 (0.27 s against 0.45 s for 16 samples, 10 steps).
+
+    With padding, a size is picked for the transformer (the VAE) only if its calls give a sample
+    the same bits at every position in them (`check_batch_invariance`, at each candidate after its
+    warm-up): padding keeps a sample's bits only at such sizes.
+
+    The candidates take turns, one rollout and one decode each per round, after a warm-up each, so
+    that a slow spell of a shared machine slows every candidate alike rather than the one timed
+    during it. The pipeline's micro-batching is restored afterwards.
 
     Args:
         guidance: `guidance_scale` / `true_cfg_scale` of the requests to serve (CFG doubles the
@@ -103,36 +135,77 @@ def calibrate(
     samples = max(candidates)
     micro_batching = pipeline.micro_batching
 
-    def seconds_of(rows: int) -> float:
-        pipeline.micro_batching = dataclasses.replace(micro_batching, default=rows, by_size={})
+    def timed(work) -> float:
         started = time.perf_counter()
-        sample(pipeline, [CALIBRATION_PROMPT] * samples, list(range(samples)), options)
+        work()
         if pipeline.device.type == "cuda":
             torch.cuda.synchronize(pipeline.device)
         return time.perf_counter() - started
 
+    def seconds_of(rows: int) -> tuple[float, float]:
+        """The rollout's time and its latents' decode time, in calls of `rows`."""
+        pipeline.micro_batching = dataclasses.replace(
+            micro_batching, default=rows, by_size={}, decode_default=rows, decode_by_size={}
+        )
+        batches = []
+        rollout_seconds = timed(
+            lambda: batches.append(sample(pipeline, [CALIBRATION_PROMPT] * samples, list(range(samples)), options))
+        )
+        latents = torch.stack([trajectory.final_latents for trajectory in batches[0].samples]).to(pipeline.device)
+        return rollout_seconds, timed(lambda: pipeline.decode(latents))
+
     sizes = sorted(set(candidates))
+    padding = micro_batching.invariance is BatchInvariance.PADDING
+    checks = {}
     try:
-        for rows in sizes:  # a warm-up rollout each
+        for rows in sizes:  # a warm-up each, and with padding the check that the size keeps a sample's bits
             seconds_of(rows)
+            if padding:
+                checks[rows] = check_batch_invariance(pipeline, height, width, guidance)
         rounds = [{rows: seconds_of(rows) for rows in sizes} for _ in range(repeats)]
     finally:
         pipeline.micro_batching = micro_batching
-    seconds_per_sample = {rows: min(times[rows] for times in rounds) / samples for rows in sizes}
+    seconds_per_sample = {rows: min(times[rows][0] for times in rounds) / samples for rows in sizes}
+    decode_seconds_per_sample = {rows: min(times[rows][1] for times in rounds) / samples for rows in sizes}
+    denoising = {rows: seconds_per_sample[rows] - decode_seconds_per_sample[rows] for rows in sizes}
+    if not padding:
+        # A call takes only the rows there are: a larger size costs a lone sample nothing.
+        return Calibration(
+            height, width, seconds_per_sample, decode_seconds_per_sample, _smallest_near_best(denoising, 0.0), None, {}
+        )
+    # Only sizes whose calls give a sample the same bits at every position in them.
+    transformer_sizes = {rows: denoising[rows] for rows in sizes if checks[rows].velocity_difference == 0}
+    vae_sizes = {rows: decode_seconds_per_sample[rows] for rows in sizes if checks[rows].image_difference == 0}
+    if not transformer_sizes or not vae_sizes:
+        raise ValueError(
+            f"in calls of every candidate size, the {'VAE' if transformer_sizes else 'transformer'} gives a sample "
+            f"other bits at another position in the call on {pipeline.device} with {torch.get_num_threads()} torch "
+            "threads: add 1 to the candidates"
+        )
+    return Calibration(
+        height,
+        width,
+        seconds_per_sample,
+        decode_seconds_per_sample,
+        _smallest_near_best(transformer_sizes, tolerance),
+        _smallest_near_best(vae_sizes, tolerance),
+        checks,
+    )
+
+
+def _smallest_near_best(seconds_per_sample: dict[int, float], tolerance: float) -> int:
     best = min(seconds_per_sample.values())
-    if micro_batching.invariance is BatchInvariance.KERNELS:
-        tolerance = 0.0  # a call takes only the rows there are: a larger size costs a lone sample nothing
-    chosen = min(rows for rows, seconds in seconds_per_sample.items() if seconds <= best * (1 + tolerance))
-    return Calibration(height, width, seconds_per_sample, chosen)
+    return min(rows for rows, seconds in seconds_per_sample.items() if seconds <= best * (1 + tolerance))
 
 
 @dataclass(frozen=True)
 class InvarianceCheck:
-    """A sample alone against the same sample at position 1 of a call of three, on one device.
+    """Samples' velocities and images computed in two calls that batch invariance says give each
+    sample the same bits (`check_batch_invariance`), on one device.
 
     Attributes:
-        velocity_difference: the largest absolute difference of its velocity.
-        image_difference: the largest absolute difference of its decoded image.
+        velocity_difference: the largest absolute difference of a sample's velocity.
+        image_difference: the largest absolute difference of a sample's decoded image.
     """
 
     device: str
@@ -147,42 +220,90 @@ class InvarianceCheck:
 def check_batch_invariance(
     pipeline: RolloutPipeline, height: int, width: int, guidance: dict | None = None
 ) -> InvarianceCheck:
-    """Computes one sample's velocity alone and beside two others, under the pipeline's kernels,
-    each in one transformer call (`MicroBatching.kernels`, no padding), and its image alone and
-    beside the two others, in the pipeline's own VAE calls, and compares the bits.
+    """Compares, bit for bit, what the pipeline's batch invariance promises at this image size.
 
-    Batch-invariant kernels promise equality; padding promises it only for calls of the micro-batch's
-    size, so with `BatchInvariance.PADDING` a difference shows what padding is for.
+    Under batch-invariant kernels: one sample's velocity alone and beside two others, each in one
+    transformer call (no padding), and its image alone and beside the two others.
+
+    Under padding: a micro-batch of samples against the same samples each one position on (the
+    last first), in one transformer call of the micro-batch's rows and one VAE call of its images.
+    Padding promises a sample the same bits in any call of the same size, which holds only where
+    the kernels treat every row of a call alike. On this project's CPU (torch 2.13, 2 threads),
+    calls of 3, 5 or 6 rows give a row other bits at another position in the call in some of the
+    tiny families, in the transformer or the VAE; calls of 1, 2, 4, 8, 12 and 16 rows do not, and
+    with one thread no size does.
 
     Args:
         guidance: `guidance_scale` / `true_cfg_scale` of the requests to serve (classifier-free
             guidance changes the calls); None keeps the model's default.
     """
     options, latent_shape, one_row, timestep = _probe(pipeline, height, width, guidance)
-    three_rows = pad_conditioning(one_row, 3).map(lambda t: t.to(pipeline.device))
-    x_t = torch.randn((3, *latent_shape), generator=torch.Generator().manual_seed(0)).to(pipeline.device)
-    probe_last = torch.tensor([1, 0, 2], device=pipeline.device)  # the probe, x_t[0], at position 1
-    with torch.no_grad(), pipeline.micro_batching.kernels():
-        alone = pipeline.predict_velocity(x_t[:1], timestep.expand(1), three_rows.rows(slice(0, 1)), options)
-        beside = pipeline.predict_velocity(x_t[probe_last], timestep.expand(3), three_rows, options)[1:2]
-    image_alone = pipeline.decode(x_t[:1])  # in the VAE calls the pipeline makes
-    image_beside = pipeline.decode(x_t[probe_last])[1:2]
-    return InvarianceCheck(
-        device=str(pipeline.device),
-        velocity_difference=(alone - beside).abs().max().item(),
-        image_difference=(image_alone - image_beside).abs().max().item(),
-    )
+    micro_batching = pipeline.micro_batching
+    if micro_batching.invariance is BatchInvariance.KERNELS:
+        rows = images = 3
+    else:
+        rows, images = micro_batching.size_for(height, width), micro_batching.decode_size_for(height, width)
+    conditioning = pad_conditioning(one_row, rows).map(lambda t: t.to(pipeline.device))
+    x_t = torch.randn((max(rows, images), *latent_shape), generator=torch.Generator().manual_seed(0))
+    x_t = x_t.to(pipeline.device)
+
+    def velocity(x: torch.Tensor) -> torch.Tensor:
+        return pipeline.predict_velocity(x, timestep.expand(len(x)), conditioning.rows(slice(0, len(x))), options)
+
+    with torch.no_grad(), micro_batching.kernels():
+        if micro_batching.invariance is BatchInvariance.KERNELS:
+            velocity_difference = _alone_and_beside_difference(velocity, x_t)
+        else:
+            velocity_difference = _moved_difference(velocity, x_t[:rows])
+    # The images in the VAE calls the pipeline makes: under padding, the micro-batch is one call.
+    if micro_batching.invariance is BatchInvariance.KERNELS:
+        image_difference = _alone_and_beside_difference(pipeline.decode, x_t)
+    else:
+        image_difference = _moved_difference(pipeline.decode, x_t[:images])
+    return InvarianceCheck(str(pipeline.device), velocity_difference, image_difference)
+
+
+def _alone_and_beside_difference(compute, x: torch.Tensor) -> float:
+    """How far `compute` of `x[0]` alone is from its row with `x[0]` at position 1 of three."""
+    probe_second = torch.tensor([1, 0, 2], device=x.device)
+    return (compute(x[:1]) - compute(x[probe_second])[1:2]).abs().max().item()
+
+
+def _moved_difference(compute, x: torch.Tensor) -> float:
+    """How far each sample's row of `compute(x)` is from its row with every sample one position on."""
+    moved = torch.roll(torch.arange(len(x), device=x.device), 1)
+    return (compute(x)[moved] - compute(x[moved])).abs().max().item()
 
 
 def require_batch_invariance(pipeline: RolloutPipeline, height: int, width: int) -> None:
-    """Raises `ModelLoadError` naming ``model.batch_invariance`` unless `check_batch_invariance` holds
-    at this size with the model's default guidance: a server's refusal to serve with kernels that do
-    not keep a sample's bits on its device."""
+    """Raises `ModelLoadError` unless `check_batch_invariance` holds at this image size with the
+    model's default guidance: a server's refusal to serve samples whose bits would depend on their
+    companions. It names ``model.batch_invariance`` (kernels), or the micro-batch field whose size
+    breaks it (padding)."""
     check = check_batch_invariance(pipeline, height, width)
-    if not check.holds:
+    if check.holds:
+        return
+    micro_batching = pipeline.micro_batching
+    if micro_batching.invariance is BatchInvariance.KERNELS:
         raise ModelLoadError(
             "model.batch_invariance",
             f"'kernels' does not keep a sample's bits on {check.device} for this model: alone and beside two "
             f"others, its velocity differs by {check.velocity_difference:.3g} and its image by "
             f"{check.image_difference:.3g}; use 'padding'",
         )
+    if check.velocity_difference != 0:
+        field, by_size, rows, difference = (
+            "micro_batch_size", micro_batching.by_size, micro_batching.size_for(height, width), check.velocity_difference
+        )
+    else:
+        field, by_size, rows, difference = (
+            "decode_batch_size", micro_batching.decode_by_size, micro_batching.decode_size_for(height, width),
+            check.image_difference,
+        )
+    field = f"model.{field}s" if (height, width) in by_size else f"model.{field}"
+    raise ModelLoadError(
+        field,
+        f"calls of {rows} at {height}x{width} give a sample other bits at another position in the call on "
+        f"{check.device} with {torch.get_num_threads()} torch threads (they differ by {difference:.3g}), so padding "
+        "cannot keep a sample's bits; use a size `python -m deployments calibrate` picks",
+    )

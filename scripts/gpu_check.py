@@ -14,9 +14,9 @@ trains (SD3.5-Medium: CFG 4.5; FLUX.1-dev: its embedded guidance 3.5):
 - the largest |log-prob difference| between the rollout and its replay, in bf16;
 - the largest |difference| of final latents between the rollout's ODE path (fp32 latents) and
   `pipeline(..., output_type="latent")` (latents re-cast to bf16 every step);
-- the micro-batch calibration (`rollout.calibration`: time per sample of a rollout at each
-  candidate size), and
-  with the size it picks, samples/s of the rollout and of `pipeline(...)` at 1, 8, 16 and 64
+- the micro-batch calibration (`rollout.calibration`: time per sample of a rollout and of its
+  decode at each candidate size), and
+  with the transformer's and the VAE's sizes it picks, samples/s of the rollout and of `pipeline(...)` at 1, 8, 16 and 64
   samples (two interleaved rounds each, the faster counts);
 - whether batch-invariant kernels (`rollout/kernels.py`) keep a sample's bits on the GPU
   (`check_batch_invariance`), and where they do, the replay difference and the same samples/s
@@ -267,7 +267,7 @@ def check_family(
         return throughput
 
     calibration = calibrate(family, size, size, candidates, guidance, repeats=2)
-    family.micro_batching = MicroBatching(calibration.chosen)
+    family.micro_batching = MicroBatching(calibration.chosen, decode_default=calibration.chosen_for_decode)
     throughput = throughput_by_batch_size()
     # Batch-invariant kernels (rollout/kernels.py): do they keep a sample's bits on this device, and
     # what do they cost against padding? Measured only where they hold.
@@ -302,7 +302,10 @@ def check_family(
         "ode_vs_pipeline_max_abs_latent_diff": (ode_latents - pipeline_latents).abs().max().item(),
         "latent_abs_max": pipeline_latents.abs().max().item(),
         "micro_batch_seconds_per_sample": calibration.seconds_per_sample,
+        "micro_batch_denoising_seconds_per_sample": calibration.denoising_seconds_per_sample,
+        "micro_batch_decode_seconds_per_sample": calibration.decode_seconds_per_sample,
         "micro_batch_chosen": calibration.chosen,
+        "decode_batch_chosen": calibration.chosen_for_decode,
         "throughput_by_batch_size": throughput,
         "batch_invariant_kernels": kernels,
     }

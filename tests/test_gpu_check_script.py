@@ -30,6 +30,8 @@ def test_the_gpu_check_runs_on_the_tiny_copies(tmp_path):
     # The calibration it ran, and the throughput at each batch size with the size it chose.
     per_sample = {int(rows): seconds for rows, seconds in findings["micro_batch_seconds_per_sample"].items()}
     assert set(per_sample) == {1, 2} and findings["micro_batch_chosen"] in per_sample
+    assert findings["decode_batch_chosen"] in per_sample
+    assert set(findings["micro_batch_decode_seconds_per_sample"]) == set(findings["micro_batch_seconds_per_sample"])
     throughput = findings["throughput_by_batch_size"]
     assert set(throughput) == {"1", "8"}
     for rates in throughput.values():

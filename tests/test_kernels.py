@@ -1,6 +1,7 @@
 """Fixed-block kernels (`rollout.kernels`, `BatchInvariance.KERNELS`): any call size gives a sample
 the same bits, with no padding, for the operations alone and for every family end to end."""
 
+import contextlib
 import threading
 
 import pytest
@@ -130,6 +131,8 @@ def test_the_mode_holds_only_in_the_thread_that_entered_it():
     [
         ({"invariance": "fast"}, "batch_invariance"),
         ({"default": 0}, "micro_batch_size"),
+        ({"decode_default": 0}, "decode_batch_size"),
+        ({"decode_by_size": {(64, 64): True}}, "decode_batch_size"),
     ],
 )
 def test_bad_micro_batching_names_the_field(arguments, field):
@@ -144,9 +147,14 @@ def test_calls_take_the_rows_there_are_under_kernels_and_whole_micro_batches_wit
     assert [(c.start, c.stop) for c in fixed.calls(5, SIZE, SIZE)] == [(0, 4), (4, 5)]
     assert [padding.padded_rows(n, SIZE, SIZE) for n in (1, 4, 5)] == [4, 4, 8]
     assert [fixed.padded_rows(n, SIZE, SIZE) for n in (1, 4, 5)] == [1, 4, 5]
-    # The VAE: the transformer's calls with padding, one image a call under the kernels.
+    # The VAE: the transformer's calls with padding unless it has sizes of its own, one image a
+    # call under the kernels.
     assert padding.decode_calls(5, SIZE, SIZE) == padding.calls(5, SIZE, SIZE)
     assert [(c.start, c.stop) for c in fixed.decode_calls(3, SIZE, SIZE)] == [(0, 1), (1, 2), (2, 3)]
+    own = MicroBatching(4, {(SIZE, SIZE): 8}, decode_default=3, decode_by_size={(2 * SIZE, 2 * SIZE): 2})
+    assert [(c.start, c.stop) for c in own.decode_calls(5, SIZE, SIZE)] == [(0, 3), (3, 6)]
+    assert [(c.start, c.stop) for c in own.decode_calls(3, 2 * SIZE, 2 * SIZE)] == [(0, 2), (2, 4)]
+    assert [own.size_for(SIZE, SIZE), own.padded_rows(5, SIZE, SIZE)] == [8, 8]  # the transformer's own
 
 
 # Every family, end to end ----------------------------------------------------------------------
@@ -220,22 +228,23 @@ def test_the_embedded_model_is_batch_invariant_under_kernels():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_device_check_holds_under_kernels_and_sees_what_padding_is_for(family_pipelines, tiny_family_dirs, family):
+def test_the_device_check_holds_under_kernels_and_sees_what_they_are_for(family_pipelines, monkeypatch, family):
     check = check_batch_invariance(family_pipelines[family], SIZE, SIZE, GUIDED[family])
     assert check.holds and check.device == "cpu"
     require_batch_invariance(family_pipelines[family], SIZE, SIZE)
     # Unpadded calls with the stock kernels: the check sees the difference, and a server refuses them.
-    stock = load_pipeline(family, tiny_family_dirs[family], device="cpu", micro_batching=MicroBatching(4))
-    assert check_batch_invariance(stock, SIZE, SIZE, GUIDED[family]).velocity_difference > 0
+    monkeypatch.setattr("rollout.models.base.kernels_for", lambda invariance: contextlib.nullcontext())
+    assert check_batch_invariance(family_pipelines[family], SIZE, SIZE, GUIDED[family]).velocity_difference > 0
     with pytest.raises(ModelLoadError) as caught:
-        require_batch_invariance(stock, SIZE, SIZE)
+        require_batch_invariance(family_pipelines[family], SIZE, SIZE)
     assert caught.value.field == "model.batch_invariance" and "use 'padding'" in caught.value.reason
 
 
 def test_calibration_under_kernels_picks_the_best_time_per_sample(family_pipelines):
     calibration = calibrate(family_pipelines["sd3"], SIZE, SIZE, (1, 2, 4), GUIDED["sd3"], repeats=1)
-    per_sample = calibration.seconds_per_sample
+    per_sample = calibration.denoising_seconds_per_sample
     assert per_sample[calibration.chosen] == min(per_sample.values())
+    assert calibration.chosen_for_decode is None  # the kernels decode an image a call
     assert family_pipelines["sd3"].micro_batching == kernels()  # each candidate's setting undone
 
 

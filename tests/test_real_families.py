@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from rollout.calibration import calibrate
+from rollout.calibration import calibrate, check_batch_invariance, require_batch_invariance
 from rollout.errors import InvalidRequestError, ModelLoadError
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline, resolve_model
@@ -41,15 +41,15 @@ def pipelines(tiny_family_dirs):
     """(family, dtype name) -> the loaded pipeline, loaded once."""
     cache = {}
 
-    def load(family: str, dtype: str = "float32", micro_batch_size: int = 2):
-        key = (family, dtype, micro_batch_size)
+    def load(family: str, dtype: str = "float32", micro_batch_size: int = 2, decode_batch_size: int | None = None):
+        key = (family, dtype, micro_batch_size, decode_batch_size)
         if key not in cache:
             cache[key] = load_pipeline(
                 family,
                 tiny_family_dirs[family],
                 device="cpu",
                 dtype=getattr(torch, dtype),
-                micro_batching=MicroBatching(micro_batch_size),
+                micro_batching=MicroBatching(micro_batch_size, decode_default=decode_batch_size),
             )
         return cache[key]
 
@@ -188,15 +188,71 @@ def test_a_sample_is_the_same_alone_and_in_a_batch(pipelines, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_calibrated_micro_batch_is_the_smallest_near_the_best_time_per_sample_and_keeps_invariance(pipelines, family):
+def test_a_sample_is_the_same_alone_and_in_a_batch_when_the_vae_takes_calls_of_another_size(pipelines, family):
+    assert_batch_invariant(pipelines(family, micro_batch_size=2, decode_batch_size=4), family)
+
+
+def moving_the_last_row_changes_its_bits(pipeline, monkeypatch, method: str, rows: int) -> None:
+    """Makes `pipeline.<method>` (velocity or decode) give the last row of a call of `rows` the next
+    float up, as the stock kernels give a row other bits at another position in some calls here
+    (calls of 3 in SD3's transformer and VAE, 2 torch threads)."""
+    compute = getattr(pipeline, method)
+
+    def at_the_last_position_other_bits(x, *args, **kwargs):
+        out = compute(x, *args, **kwargs)
+        if len(x) == rows:
+            out = out.clone()
+            out[-1] = torch.nextafter(out[-1], torch.full_like(out[-1], float("inf")))
+        return out
+
+    monkeypatch.setattr(pipeline, method, at_the_last_position_other_bits)
+
+
+@pytest.mark.parametrize("method, field", [("predict_velocity", "micro_batch_size"), ("decode", "decode_batch_size")])
+def test_padding_is_refused_at_a_size_whose_calls_give_a_sample_other_bits_at_another_position(
+    pipelines, monkeypatch, method, field
+):
+    pipeline = pipelines("sd3")  # micro-batches of 2
+    assert check_batch_invariance(pipeline, SIZE, SIZE).holds
+    moving_the_last_row_changes_its_bits(pipeline, monkeypatch, method, rows=2)
+    check = check_batch_invariance(pipeline, SIZE, SIZE)
+    assert (check.velocity_difference > 0) == (method == "predict_velocity")
+    assert (check.image_difference > 0) == (method == "decode")
+    with pytest.raises(ModelLoadError) as caught:
+        require_batch_invariance(pipeline, SIZE, SIZE)
+    assert caught.value.field == f"model.{field}"
+    assert caught.value.reason.startswith(f"calls of 2 at {SIZE}x{SIZE} give a sample other bits at another position")
+
+
+@pytest.mark.parametrize("method", ["predict_velocity", "decode"])
+def test_calibration_passes_over_a_size_whose_calls_give_a_sample_other_bits_at_another_position(
+    pipelines, monkeypatch, method
+):
+    pipeline = pipelines("sd3")
+    moving_the_last_row_changes_its_bits(pipeline, monkeypatch, method, rows=2)
+    calibration = calibrate(pipeline, SIZE, SIZE, (2, 4), repeats=1, tolerance=float("inf"))
+    # With any time tolerated, each model's smallest size that keeps a sample's bits.
+    assert (calibration.checks[2].velocity_difference > 0) == (method == "predict_velocity")
+    assert (calibration.chosen, calibration.chosen_for_decode) == ((2, 4) if method == "decode" else (4, 2))
+    with pytest.raises(ValueError, match="add 1 to the candidates"):
+        calibrate(pipeline, SIZE, SIZE, (2,), repeats=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_calibrated_micro_batches_are_the_smallest_near_the_best_time_per_sample_and_keep_invariance(pipelines, family):
     candidates = (1, 2, 4)
     calibration = calibrate(pipelines(family), SIZE, SIZE, candidates, guidance(family, True)[0], repeats=1)
-    per_sample = calibration.seconds_per_sample
-    assert set(per_sample) == set(candidates) and calibration.size_key == f"{SIZE}x{SIZE}"
-    within = [c for c in candidates if per_sample[c] <= min(per_sample.values()) * 1.05]
-    assert calibration.chosen == min(within)
-    # Three samples padded to the chosen size (the transformer and the VAE), against one alone.
-    assert_batch_invariant(pipelines(family, micro_batch_size=calibration.chosen), family)
+    assert set(calibration.seconds_per_sample) == set(candidates) and calibration.size_key == f"{SIZE}x{SIZE}"
+    # The transformer's size on the rollout less its decode, the VAE's on the decode alone.
+    for chosen, per_sample in (
+        (calibration.chosen, calibration.denoising_seconds_per_sample),
+        (calibration.chosen_for_decode, calibration.decode_seconds_per_sample),
+    ):
+        assert set(per_sample) == set(candidates) and all(seconds > 0 for seconds in per_sample.values())
+        assert chosen == min(c for c in candidates if per_sample[c] <= min(per_sample.values()) * 1.05)
+    # Three samples padded to the chosen sizes, against one alone.
+    calibrated = pipelines(family, micro_batch_size=calibration.chosen, decode_batch_size=calibration.chosen_for_decode)
+    assert_batch_invariant(calibrated, family)
 
 
 def assert_batch_invariant(pipeline, family: str) -> None:

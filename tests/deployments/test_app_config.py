@@ -38,6 +38,8 @@ def test_build_app_takes_no_arguments_or_a_dict():
         ({"limits": {"max_inference_steps": 10}}, "limits.default_inference_steps", "at most max_inference_steps (10), got 20"),
         ({"model": {"micro_batch_sizes": {"1024": 2}}}, "model.micro_batch_sizes", "keys look like '512x512', got '1024'"),
         ({"model": {"micro_batch_sizes": {"64x64": 0}}}, "model.micro_batch_sizes", "64x64: must be an integer >= 1"),
+        ({"model": {"decode_batch_sizes": {"64": 2}}}, "model.decode_batch_sizes", "keys look like '512x512', got '64'"),
+        ({"model": {"decode_batch_size": 0}}, "model.decode_batch_size", "greater than or equal to 1"),
         ({"model": {"name": "flux"}}, "model.path", "loads from a local diffusers directory"),
         ({"model": {"max_sequence_length": 77}}, "model.max_sequence_length", "the embedded model has no text encoder"),
         ({"model": {"vae_tiling": True}}, "model.vae_tiling", "the embedded model has no VAE"),
@@ -64,6 +66,15 @@ def test_micro_batches_by_size_fall_back_to_the_configured_else_the_models_defau
     micro_batching = ModelConfig.model_validate(model).micro_batching(model_default=8)
     assert micro_batching.default == default and dict(micro_batching.by_size) == by_size
     assert micro_batching.invariance is BatchInvariance.PADDING
+
+
+def test_the_vae_decodes_in_calls_of_its_configured_size_else_the_transformers():
+    model = ModelConfig.model_validate({"micro_batch_sizes": {"128x128": 16}, "decode_batch_sizes": {"128x128": 4}})
+    micro_batching = model.micro_batching(model_default=8)
+    assert [micro_batching.decode_size_for(128, 128), micro_batching.size_for(128, 128)] == [4, 16]
+    assert micro_batching.decode_size_for(64, 64) == 8
+    everywhere = ModelConfig.model_validate({"decode_batch_size": 2}).micro_batching(model_default=8)
+    assert [everywhere.decode_size_for(64, 64), everywhere.size_for(64, 64)] == [2, 8]
 
 
 def test_the_configured_batch_invariance_reaches_the_micro_batching():

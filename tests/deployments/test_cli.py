@@ -150,12 +150,15 @@ def test_calibrate_prints_the_table_and_writes_it_into_a_serve_config_file(tmp_p
     config_file.write_text(SERVE_CONFIG.read_text())
     cli.main(["calibrate", "--size", "16x16", "--candidates", "1", "2", "--repeats", "1", "--write", str(config_file)])
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0] == "embedded-digits, float32, on cpu, batch invariance by padding: ms per sample of a rollout of 2 samples"
-    assert printed[1] == "| size | 1 | 2 | chosen |" and printed[3].startswith("| 16x16 | ")
-    chosen = int(printed[3].rsplit("|", 2)[1])
-    assert printed[4] == f'model.micro_batch_sizes: {{"16x16": {chosen}}}'
+    assert printed[0].startswith("embedded-digits, float32, on cpu, batch invariance by padding: ms per sample of a rollout")
+    assert printed[1] == "| size | calls of | 1 | 2 | chosen |"
+    assert printed[3].startswith("| 16x16 | transformer | ") and printed[4].startswith("| 16x16 | VAE | ")
+    chosen, chosen_for_decode = (int(line.rsplit("|", 2)[1]) for line in printed[3:5])
+    assert printed[5] == f'model.micro_batch_sizes: {{"16x16": {chosen}}}'
+    assert printed[6] == f'model.decode_batch_sizes: {{"16x16": {chosen_for_decode}}}'
     config, _ = cli.app_config(serve_arguments("--config", str(config_file)))
     assert config.model.micro_batch_sizes == {"16x16": chosen} and config.num_worker_replicas == 2
+    assert config.model.decode_batch_sizes == {"16x16": chosen_for_decode}
 
 
 def test_calibrate_under_kernels_checks_invariance_and_writes_the_mode_with_the_sizes(tmp_path, capsys):
@@ -165,11 +168,13 @@ def test_calibrate_under_kernels_checks_invariance_and_writes_the_mode_with_the_
     cli.main([*arguments, "--write", str(config_file)])
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("embedded-digits, float32, on cpu, batch invariance by kernels:")
-    assert printed[4] == (
+    assert printed[4].startswith("| 16x16 | VAE | ") and printed[4].endswith(" | an image a call |")
+    assert printed[5] == (
         "16x16: a sample alone and beside two others, velocity differs by 0, image by 0: batch invariance holds"
     )
     config, _ = cli.app_config(serve_arguments("--config", str(config_file)))
     assert config.model.batch_invariance == "kernels" and set(config.model.micro_batch_sizes) == {"16x16"}
+    assert config.model.decode_batch_sizes == {}  # the kernels decode an image a call
 
 
 def test_calibrate_names_a_bad_size():
