@@ -8,7 +8,9 @@ bits independent of its companions (`BatchInvariance`):
 
 - `PADDING`, the default: every call takes exactly the micro-batch's rows, padded, so every call
   has the same shape and the stock kernels do the same thing each time. A lone sample pays for the
-  whole micro-batch.
+  whole micro-batch. Where a sample sits in the call still depends on its companions, so this holds
+  only at sizes whose calls treat every row alike: on this CPU with 2 threads, not calls of 3, 5 or
+  6 rows (`rollout.calibration.check_batch_invariance` checks a size on the serving device).
 - `KERNELS`: a call takes the rows there are, and `BatchInvariantKernels` runs, inside it, every
   operation whose kernel depends on the call's shape one sample at a time: a call of the shape a
   sample alone has, on the same values, computes the same bits. Those operations are the linear
