@@ -21,6 +21,7 @@ from deployments.memory import MemoryOccupation
 from deployments.weights import ServedWeights
 from rollout.calibration import require_batch_invariance
 from rollout.errors import InvalidRequestError, NonFiniteOutputError, RolloutError
+from rollout.kernels import BatchInvariance
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.plan import SamplingWork
@@ -89,10 +90,14 @@ class RolloutWorker:
         )
         micro_batching = self.pipeline.micro_batching = model.micro_batching(self.pipeline.micro_batching.default)
         # At the model's default image size and each one configured, on the sampling thread: its
-        # torch threads are part of what the kernels do.
-        default_size = (self.pipeline.default_height, self.pipeline.default_width)
-        for height, width in sorted({default_size, *micro_batching.by_size, *micro_batching.decode_by_size}):
-            await self._on_sampling_thread(require_batch_invariance, self.pipeline, height, width)
+        # torch threads are part of what the kernels do. Video families under padding are left to
+        # `calibrate`: the check would cost a transformer call of the micro-batch's full-length
+        # videos at every start (minutes for the tiny Wan copy on a CPU), and their VAE decodes a
+        # video a call whatever the size.
+        if micro_batching.invariance is BatchInvariance.KERNELS or self.pipeline.default_num_frames == 1:
+            default_size = (self.pipeline.default_height, self.pipeline.default_width)
+            for height, width in sorted({default_size, *micro_batching.by_size, *micro_batching.decode_by_size}):
+                await self._on_sampling_thread(require_batch_invariance, self.pipeline, height, width)
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
