@@ -135,24 +135,25 @@ def calibrate(
     samples = max(candidates)
     micro_batching = pipeline.micro_batching
 
-    def timed(work) -> float:
+    def timed(work):
+        """What `work()` returns, and the seconds it took."""
         started = time.perf_counter()
-        work()
+        result = work()
         if pipeline.device.type == "cuda":
             torch.cuda.synchronize(pipeline.device)
-        return time.perf_counter() - started
+        return result, time.perf_counter() - started
 
     def seconds_of(rows: int) -> tuple[float, float]:
         """The rollout's time and its latents' decode time, in calls of `rows`."""
         pipeline.micro_batching = dataclasses.replace(
             micro_batching, default=rows, by_size={}, decode_default=rows, decode_by_size={}
         )
-        batches = []
-        rollout_seconds = timed(
-            lambda: batches.append(sample(pipeline, [CALIBRATION_PROMPT] * samples, list(range(samples)), options))
+        batch, rollout_seconds = timed(
+            lambda: sample(pipeline, [CALIBRATION_PROMPT] * samples, list(range(samples)), options)
         )
-        latents = torch.stack([trajectory.final_latents for trajectory in batches[0].samples]).to(pipeline.device)
-        return rollout_seconds, timed(lambda: pipeline.decode(latents))
+        latents = torch.stack([trajectory.final_latents for trajectory in batch.samples]).to(pipeline.device)
+        _, decode_seconds = timed(lambda: pipeline.decode(latents))
+        return rollout_seconds, decode_seconds
 
     sizes = sorted(set(candidates))
     padding = micro_batching.invariance is BatchInvariance.PADDING
@@ -240,9 +241,10 @@ def check_batch_invariance(
     options, latent_shape, one_row, timestep = _probe(pipeline, height, width, guidance)
     micro_batching = pipeline.micro_batching
     if micro_batching.invariance is BatchInvariance.KERNELS:
-        rows = images = 3
+        difference, rows, images = _alone_and_beside_difference, 3, 3
     else:
         rows, images = micro_batching.size_for(height, width), micro_batching.decode_size_for(height, width)
+        difference = _moved_difference
     conditioning = pad_conditioning(one_row, rows).map(lambda t: t.to(pipeline.device))
     x_t = torch.randn((max(rows, images), *latent_shape), generator=torch.Generator().manual_seed(0))
     x_t = x_t.to(pipeline.device)
@@ -251,20 +253,14 @@ def check_batch_invariance(
         return pipeline.predict_velocity(x, timestep.expand(len(x)), conditioning.rows(slice(0, len(x))), options)
 
     with torch.no_grad(), micro_batching.kernels():
-        if micro_batching.invariance is BatchInvariance.KERNELS:
-            velocity_difference = _alone_and_beside_difference(velocity, x_t)
-        else:
-            velocity_difference = _moved_difference(velocity, x_t[:rows])
+        velocity_difference = difference(velocity, x_t[:rows])
     # The images in the VAE calls the pipeline makes: under padding, the micro-batch is one call.
-    if micro_batching.invariance is BatchInvariance.KERNELS:
-        image_difference = _alone_and_beside_difference(pipeline.decode, x_t)
-    else:
-        image_difference = _moved_difference(pipeline.decode, x_t[:images])
+    image_difference = difference(pipeline.decode, x_t[:images])
     return InvarianceCheck(str(pipeline.device), velocity_difference, image_difference)
 
 
 def _alone_and_beside_difference(compute, x: torch.Tensor) -> float:
-    """How far `compute` of `x[0]` alone is from its row with `x[0]` at position 1 of three."""
+    """How far `compute` of `x[0]` alone is from its row with `x[0]` at position 1 of `x`'s three."""
     probe_second = torch.tensor([1, 0, 2], device=x.device)
     return (compute(x[:1]) - compute(x[probe_second])[1:2]).abs().max().item()
 
