@@ -111,8 +111,8 @@ def calibrate(
 
     The transformer's size is picked on the rollout's time less its decode's, the VAE's on the
     decode's alone: a choice on the rollout's whole time weighs the decode as two steps' worth of
-    denoising would, and picked 4 for tiny Qwen-Image, whose VAE is fastest in calls of 4 to 8 and
-    whose transformer is fastest in calls of 16 (0.27 s against 0.45 s for 16 samples, 10 steps).
+    denoising would, and picked 4 for tiny Qwen-Image, whose VAE is 5% cheaper in calls of 16 than of 4
+    and whose transformer is 37% cheaper per sample in calls of 16 than of 4 (docs/throughput.md).
 
     With padding, a size is picked for the transformer (the VAE) only if its calls give a sample
     the same bits at every position in them (`check_batch_invariance`, at each candidate after its
@@ -232,7 +232,7 @@ def check_batch_invariance(
     the kernels treat every row of a call alike. On this project's CPU (torch 2.13, 2 threads),
     calls of 3, 5 or 6 rows give a row other bits at another position in the call in some of the
     tiny families, in the transformer or the VAE; calls of 1, 2, 4, 8, 12 and 16 rows do not, and
-    with one thread no size does.
+    with one thread no size does (`python -m benchmarks.call_positions`).
 
     Args:
         guidance: `guidance_scale` / `true_cfg_scale` of the requests to serve (classifier-free

@@ -278,8 +278,8 @@ class MicroBatching:
 
     The VAE's calls have sizes of their own: an image's bits depend only on the size of the call
     that decodes it, and the two models are cheapest at different sizes (tiny Qwen-Image, 128 px,
-    16 images on this project's CPU: the transformer fastest in calls of 16, the VAE in calls of 4
-    to 8, 0.52 s against 0.68 s in calls of 16).
+    on this project's CPU: the transformer 37% cheaper per sample in calls of 16 than of 4, the VAE
+    5%; docs/throughput.md).
 
     Attributes:
         default: samples per transformer call for any size not in `by_size`.
