@@ -12,7 +12,8 @@ Tiny SD3, FLUX.1 and Qwen-Image copies (`rollout/tiny_families.py`) widened to 8
 its batch invariance kept by padding or by batch-invariant kernels (`rollout/kernels.py`); the
 pipeline is the family's own `pipeline(...)` on the same prompt, sizes, steps and guidance, with
 `output_type="latent"` (issue 18's baseline: it decodes nothing, the rollout decodes its images) or
-`"pt"` (it decodes them too: equal work). The calls take turns, round by round, after a warm-up
+`"pt"` (it decodes them too: equal work). Micro-batch sizes count the transformer's rows (two a
+guided SD3 sample: `rollout.sampler.micro_batch_size`). The calls take turns, round by round, after a warm-up
 each; each cell is the median (min - max) over rounds of rollout time / pipeline time.
 """
 

@@ -45,7 +45,8 @@ class SamplingQueue:
 
     Args:
         run_group: samples a group of works in one sampler call; one result (or exception) per work.
-        micro_batch_size: samples per transformer call for works with given options.
+        micro_batch_size: samples per transformer call for works with given options
+            (`rollout.sampler.micro_batch_size`).
         max_samples: most samples per group (a single larger work is refused before it gets here).
         wait_s: how long an idle sampler waits for work to fill its micro-batches while the
             ingress said more was in flight.

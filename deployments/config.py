@@ -62,10 +62,14 @@ class ModelConfig(BaseModel):
         "float32", description="Model weights' dtype; latents and log-probs are fp32 whatever it is."
     )
     micro_batch_size: int | None = Field(
-        None, ge=1, description="Samples per transformer call (the sampler pads to it); None: the model's default."
+        None,
+        ge=1,
+        description="Rows per transformer call (the sampler pads to it): a sample is one row, or two under "
+        "classifier-free guidance for models that run both branches in one call (SD3, LTX-Video, the embedded "
+        "model); None: the model's default.",
     )
     micro_batch_sizes: dict[str, int] = Field(
-        default_factory=dict, description="Samples per transformer call by image size, e.g. {'1024x1024': 2}."
+        default_factory=dict, description="Rows per transformer call by image size, e.g. {'1024x1024': 4}."
     )
     decode_batch_size: int | None = Field(
         None,

@@ -28,9 +28,12 @@ from rollout.errors import ModelLoadError
 from rollout.kernels import BatchInvariance
 from rollout.models.base import Conditioning, RolloutPipeline
 from rollout.options import SamplingOptions
-from rollout.sampler import pad_conditioning, resolve_options, sample
+from rollout.sampler import micro_batch_size, pad_conditioning, resolve_options, rows_per_sample, sample
 
 DEFAULT_CANDIDATES = (1, 2, 4, 8, 16, 32)
+# Guidance off for every family: SD3's and the embedded model's CFG weight, FLUX.1's and
+# Qwen-Image's true CFG, Wan's and LTX-Video's CFG.
+UNGUIDED = {"guidance_scale": 1.0, "true_cfg_scale": 1.0}
 # A prompt every served model takes, the embedded digits model included.
 CALIBRATION_PROMPT = "the digit 7"
 CALIBRATION_STEPS = 2
@@ -100,7 +103,9 @@ def calibrate(
 ) -> Calibration:
     """Times a rollout of `max(candidates)` samples (`CALIBRATION_STEPS` steps, then the decode)
     with the pipeline's transformer and VAE calls set to each candidate size in turn, under its
-    batch invariance, and the decode of the rollout's latents alone at that size.
+    batch invariance, and the decode of the rollout's latents alone at that size. The
+    transformer's sizes count rows (`MicroBatching`): a guided sample takes two where guidance
+    runs its branches in one call, and then only even sizes are picked for it.
 
     A rollout, not one transformer call: each timing then spans every call the size makes, and
     includes what else grows with the number of calls (the sampler's work around each call).
@@ -132,6 +137,11 @@ def calibrate(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     options = SamplingOptions(height=height, width=width, num_inference_steps=CALIBRATION_STEPS, **(guidance or {}))
+    # For the transformer, only sizes of whole samples' rows: with guidance in one call, a size of 1
+    # (or 5) makes calls of 2 (or 4) rows, and would be written down as what it is not.
+    per_sample = rows_per_sample(pipeline, resolve_options(pipeline, options))
+    if all(rows % per_sample for rows in candidates):
+        raise ValueError(f"a guided sample takes {per_sample} rows of a {pipeline.name} call: add an even candidate")
     samples = max(candidates)
     micro_batching = pipeline.micro_batching
 
@@ -169,13 +179,14 @@ def calibrate(
     seconds_per_sample = {rows: min(times[rows][0] for times in rounds) / samples for rows in sizes}
     decode_seconds_per_sample = {rows: min(times[rows][1] for times in rounds) / samples for rows in sizes}
     denoising = {rows: seconds_per_sample[rows] - decode_seconds_per_sample[rows] for rows in sizes}
+    whole = {rows: denoising[rows] for rows in sizes if rows % per_sample == 0}
     if not padding:
         # A call takes only the rows there are: a larger size costs a lone sample nothing.
         return Calibration(
-            height, width, seconds_per_sample, decode_seconds_per_sample, _smallest_near_best(denoising, 0.0), None, {}
+            height, width, seconds_per_sample, decode_seconds_per_sample, _smallest_near_best(whole, 0.0), None, {}
         )
     # Only sizes whose calls give a sample the same bits at every position in them.
-    transformer_sizes = {rows: denoising[rows] for rows in sizes if checks[rows].velocity_difference == 0}
+    transformer_sizes = {rows: seconds for rows, seconds in whole.items() if checks[rows].velocity_difference == 0}
     vae_sizes = {rows: decode_seconds_per_sample[rows] for rows in sizes if checks[rows].image_difference == 0}
     if not transformer_sizes or not vae_sizes:
         raise ValueError(
@@ -243,7 +254,7 @@ def check_batch_invariance(
     if micro_batching.invariance is BatchInvariance.KERNELS:
         difference, rows, images = _alone_and_beside_difference, 3, 3
     else:
-        rows, images = micro_batching.size_for(height, width), micro_batching.decode_size_for(height, width)
+        rows, images = micro_batch_size(pipeline, options), micro_batching.decode_size_for(height, width)
         difference = _moved_difference
     conditioning = pad_conditioning(one_row, rows).map(lambda t: t.to(pipeline.device))
     x_t = torch.randn((max(rows, images), *latent_shape), generator=torch.Generator().manual_seed(0))
@@ -277,9 +288,16 @@ def require_batch_invariance(pipeline: RolloutPipeline, height: int, width: int)
     companions. It names ``model.batch_invariance`` (kernels), or the micro-batch field whose size
     breaks it (padding)."""
     check = check_batch_invariance(pipeline, height, width)
+    micro_batching = pipeline.micro_batching
+    if check.holds and micro_batching.invariance is BatchInvariance.PADDING:
+        # With guidance in one call and an odd size, requests without guidance make calls of other
+        # rows than guided ones (a size of 5: 4 rows, 2 samples, against 5): those calls too.
+        default = resolve_options(pipeline, SamplingOptions(height=height, width=width))
+        call_rows = rows_per_sample(pipeline, default) * micro_batch_size(pipeline, default)
+        if call_rows != micro_batching.size_for(height, width):
+            check = check_batch_invariance(pipeline, height, width, UNGUIDED)
     if check.holds:
         return
-    micro_batching = pipeline.micro_batching
     if micro_batching.invariance is BatchInvariance.KERNELS:
         raise ModelLoadError(
             "model.batch_invariance",

@@ -54,8 +54,18 @@ def resolve_options(pipeline: RolloutPipeline, options: SamplingOptions) -> Samp
 
 
 def micro_batch_size(pipeline: RolloutPipeline, options: SamplingOptions) -> int:
-    """Samples per model call for a request with `options` (model defaults filled in)."""
-    return pipeline.micro_batching.size_for(options.height, options.width)
+    """Samples per transformer call for a request with `options` (model defaults filled in): the
+    micro-batch's rows over the rows a sample takes (`rows_per_sample`), at least one. A call's
+    cost and memory go with its rows, so a request without guidance fills the rows a guided one
+    does; its options alone decide, so a sample's bits still do not depend on its companions."""
+    rows = pipeline.micro_batching.size_for(options.height, options.width)
+    return max(1, rows // rows_per_sample(pipeline, options))
+
+
+def rows_per_sample(pipeline: RolloutPipeline, options: SamplingOptions) -> int:
+    """The rows one sample takes in a transformer call: 2 where the family runs classifier-free
+    guidance's two branches in one call and `options` turn guidance on, else 1."""
+    return 2 if pipeline.batches_guidance_branches and pipeline.uses_negative_branch(options) else 1
 
 
 def pad_conditioning(conditioning: Conditioning, rows: int) -> Conditioning:
@@ -69,7 +79,8 @@ def pad_conditioning(conditioning: Conditioning, rows: int) -> Conditioning:
 
 def pad_buckets(pipeline: RolloutPipeline, conditioning: BucketedConditioning, options: SamplingOptions) -> BucketedConditioning:
     """Each bucket padded to the rows its model calls compute (`MicroBatching.padded_rows`)."""
-    padded_rows = functools.partial(pipeline.micro_batching.padded_rows, height=options.height, width=options.width)
+    samples_per_call = micro_batch_size(pipeline, options)
+    padded_rows = functools.partial(pipeline.micro_batching.padded_rows, samples_per_call=samples_per_call)
     return BucketedConditioning(
         tuple(
             ConditioningBucket(b.rows, pad_conditioning(b.conditioning, padded_rows(len(b.rows))))
@@ -97,11 +108,12 @@ def predict_velocity(
         options: the request's options, with the model's defaults filled in.
     """
     micro_batching, device = pipeline.micro_batching, pipeline.device
+    samples_per_call = micro_batch_size(pipeline, options)
     timestep = timestep.to(device)
     velocity = torch.empty_like(x_t)
     with micro_batching.kernels():
         for bucket in padded_conditioning.buckets:
-            calls = micro_batching.calls(len(bucket.rows), options.height, options.width)
+            calls = micro_batching.calls(len(bucket.rows), samples_per_call)
             padded_size = len(bucket.conditioning)
             if padded_size != calls[-1].stop:
                 raise ValueError(f"conditioning of {padded_size} rows is not padded to its calls' {calls[-1].stop}")

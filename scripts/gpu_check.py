@@ -56,7 +56,7 @@ from rollout.models.sd3 import StableDiffusion3Family  # noqa: E402
 from rollout.models.wan import WanFamily  # noqa: E402
 from rollout.options import SamplingOptions  # noqa: E402
 from rollout.replay import replay_log_probs  # noqa: E402
-from rollout.sampler import sample  # noqa: E402
+from rollout.sampler import resolve_options, rows_per_sample, sample  # noqa: E402
 from rollout.transitions import TransitionKind  # noqa: E402
 
 GROUP = 8
@@ -206,17 +206,19 @@ def check_family(
     tiny_family = family_class.from_pretrained(tiny_dir, torch_dtype=dtype, device=device)
     if tiny:
         family = tiny_family
-        family.micro_batching = MicroBatching(GROUP)
     else:
         started = time.perf_counter()
         with building_on(device, dtype):
             pipe = build_real(tiny_family.pipe)
         pipe.set_progress_bar_config(disable=True)
-        family = family_class(pipe, micro_batching=MicroBatching(GROUP))
+        family = family_class(pipe)
         print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)
     parameters = sum(p.numel() for p in family.transformer.parameters())
 
     options = SamplingOptions(num_inference_steps=steps, height=size, width=size, **guidance)
+    # The group in one transformer call, as the pipeline makes it (two rows a guided sample where
+    # guidance runs in one call).
+    family.micro_batching = MicroBatching(GROUP * rows_per_sample(family, resolve_options(family, options)))
     seeds = list(range(GROUP))
 
     def rollout(samples: int = GROUP):

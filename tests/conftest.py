@@ -23,7 +23,7 @@ def random_pipeline() -> DigitFlowPipeline:
     encoder = DigitPromptEncoder()
     transformer = tiny_transformer(encoder)
     return DigitFlowPipeline(
-        transformer, encoder, FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), micro_batch_size=4
+        transformer, encoder, FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), micro_batch_size=8
     )
 
 

@@ -143,18 +143,18 @@ def test_bad_micro_batching_names_the_field(arguments, field):
 
 def test_calls_take_the_rows_there_are_under_kernels_and_whole_micro_batches_with_padding():
     padding, fixed = MicroBatching(4), kernels(4)
-    assert [(c.start, c.stop) for c in padding.calls(5, SIZE, SIZE)] == [(0, 4), (4, 8)]
-    assert [(c.start, c.stop) for c in fixed.calls(5, SIZE, SIZE)] == [(0, 4), (4, 5)]
-    assert [padding.padded_rows(n, SIZE, SIZE) for n in (1, 4, 5)] == [4, 4, 8]
-    assert [fixed.padded_rows(n, SIZE, SIZE) for n in (1, 4, 5)] == [1, 4, 5]
-    # The VAE: the transformer's calls with padding unless it has sizes of its own, one image a
+    assert [(c.start, c.stop) for c in padding.calls(5, 4)] == [(0, 4), (4, 8)]
+    assert [(c.start, c.stop) for c in fixed.calls(5, 4)] == [(0, 4), (4, 5)]
+    assert [padding.padded_rows(n, 4) for n in (1, 4, 5)] == [4, 4, 8]
+    assert [fixed.padded_rows(n, 4) for n in (1, 4, 5)] == [1, 4, 5]
+    # The VAE: the transformer's size with padding unless it has sizes of its own, one image a
     # call under the kernels.
-    assert padding.decode_calls(5, SIZE, SIZE) == padding.calls(5, SIZE, SIZE)
+    assert padding.decode_calls(5, SIZE, SIZE) == padding.calls(5, 4)
     assert [(c.start, c.stop) for c in fixed.decode_calls(3, SIZE, SIZE)] == [(0, 1), (1, 2), (2, 3)]
     own = MicroBatching(4, {(SIZE, SIZE): 8}, decode_default=3, decode_by_size={(2 * SIZE, 2 * SIZE): 2})
     assert [(c.start, c.stop) for c in own.decode_calls(5, SIZE, SIZE)] == [(0, 3), (3, 6)]
     assert [(c.start, c.stop) for c in own.decode_calls(3, 2 * SIZE, 2 * SIZE)] == [(0, 2), (2, 4)]
-    assert [own.size_for(SIZE, SIZE), own.padded_rows(5, SIZE, SIZE)] == [8, 8]  # the transformer's own
+    assert own.size_for(SIZE, SIZE) == 8  # the transformer's own
 
 
 # Every family, end to end ----------------------------------------------------------------------

@@ -14,13 +14,13 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from rollout.calibration import calibrate, check_batch_invariance, require_batch_invariance
+from rollout.calibration import UNGUIDED, calibrate, check_batch_invariance, require_batch_invariance
 from rollout.errors import InvalidRequestError, ModelLoadError
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
-from rollout.sampler import sample, sample_call
+from rollout.sampler import micro_batch_size, resolve_options, sample, sample_call
 from rollout.transitions import TransitionKind
 from rollout.weights import (
     apply_update,
@@ -212,16 +212,31 @@ def moving_the_last_row_changes_its_bits(pipeline, monkeypatch, method: str, row
 def test_padding_is_refused_at_a_size_whose_calls_give_a_sample_other_bits_at_another_position(
     pipelines, monkeypatch, method, field
 ):
-    pipeline = pipelines("sd3")  # micro-batches of 2
+    pipeline = pipelines("sd3", micro_batch_size=4)  # calls of 2 guided samples, and VAE calls of 4
     assert check_batch_invariance(pipeline, SIZE, SIZE).holds
-    moving_the_last_row_changes_its_bits(pipeline, monkeypatch, method, rows=2)
+    moving_the_last_row_changes_its_bits(pipeline, monkeypatch, method, rows=2 if method == "predict_velocity" else 4)
     check = check_batch_invariance(pipeline, SIZE, SIZE)
     assert (check.velocity_difference > 0) == (method == "predict_velocity")
     assert (check.image_difference > 0) == (method == "decode")
     with pytest.raises(ModelLoadError) as caught:
         require_batch_invariance(pipeline, SIZE, SIZE)
     assert caught.value.field == f"model.{field}"
-    assert caught.value.reason.startswith(f"calls of 2 at {SIZE}x{SIZE} give a sample other bits at another position")
+    assert caught.value.reason.startswith(f"calls of 4 at {SIZE}x{SIZE} give a sample other bits at another position")
+
+
+def test_a_request_without_guidance_fills_the_rows_of_a_guided_call_and_its_calls_are_checked_too(pipelines, monkeypatch):
+    # SD3 runs guidance's two branches in one call: 3 rows are one guided sample (2 rows) a call,
+    # or 3 samples without guidance, whose calls the worker's check makes too.
+    pipeline = pipelines("sd3", micro_batch_size=3, decode_batch_size=2)
+    guided, unguided = (resolve_options(pipeline, SamplingOptions(**fields)) for fields in ({}, UNGUIDED))
+    assert (micro_batch_size(pipeline, guided), micro_batch_size(pipeline, unguided)) == (1, 3)
+    assert micro_batch_size(pipelines("flux", micro_batch_size=3), guided) == 3  # FLUX.1 makes a call per branch
+    assert check_batch_invariance(pipeline, SIZE, SIZE).holds
+    moving_the_last_row_changes_its_bits(pipeline, monkeypatch, "predict_velocity", rows=3)
+    assert check_batch_invariance(pipeline, SIZE, SIZE).holds  # the guided calls: one sample each
+    with pytest.raises(ModelLoadError) as caught:
+        require_batch_invariance(pipeline, SIZE, SIZE)
+    assert caught.value.field == "model.micro_batch_size" and caught.value.reason.startswith("calls of 3 at")
 
 
 @pytest.mark.parametrize("method", ["predict_velocity", "decode"])
@@ -229,13 +244,23 @@ def test_calibration_passes_over_a_size_whose_calls_give_a_sample_other_bits_at_
     pipelines, monkeypatch, method
 ):
     pipeline = pipelines("sd3")
-    moving_the_last_row_changes_its_bits(pipeline, monkeypatch, method, rows=2)
-    calibration = calibrate(pipeline, SIZE, SIZE, (2, 4), repeats=1, tolerance=float("inf"))
+    # Calls of 4 rows: 2 guided samples in the transformer's, 4 images in the VAE's.
+    moving_the_last_row_changes_its_bits(pipeline, monkeypatch, method, rows=2 if method == "predict_velocity" else 4)
+    calibration = calibrate(pipeline, SIZE, SIZE, (4, 8), repeats=1, tolerance=float("inf"))
     # With any time tolerated, each model's smallest size that keeps a sample's bits.
-    assert (calibration.checks[2].velocity_difference > 0) == (method == "predict_velocity")
-    assert (calibration.chosen, calibration.chosen_for_decode) == ((2, 4) if method == "decode" else (4, 2))
+    assert (calibration.checks[4].velocity_difference > 0) == (method == "predict_velocity")
+    assert (calibration.chosen, calibration.chosen_for_decode) == ((4, 8) if method == "decode" else (8, 4))
     with pytest.raises(ValueError, match="add 1 to the candidates"):
-        calibrate(pipeline, SIZE, SIZE, (2,), repeats=1)
+        calibrate(pipeline, SIZE, SIZE, (4,), repeats=1)
+
+
+def test_calibration_picks_only_whole_guided_samples_rows_for_a_transformer_that_runs_both_branches_in_one_call(pipelines):
+    pipeline = pipelines("sd3")
+    # With any time tolerated, the smallest even size: 1 row would make calls of 2.
+    assert calibrate(pipeline, SIZE, SIZE, (1, 2), repeats=1, tolerance=float("inf")).chosen == 2
+    assert calibrate(pipeline, SIZE, SIZE, (1, 2), UNGUIDED, repeats=1, tolerance=float("inf")).chosen == 1
+    with pytest.raises(ValueError, match="add an even candidate"):
+        calibrate(pipeline, SIZE, SIZE, (1,), repeats=1)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -15,7 +15,9 @@ from tests.reference_bits import LIBRARY_RUNS, REFERENCE, batch_records, field_d
 def pipelines(tiny_family_dirs, embedded_pipeline):
     loaded = {"embedded-digits": embedded_pipeline}
     for family in ("sd3", "flux", "qwenimage"):
-        loaded[family] = load_pipeline(family, tiny_family_dirs[family], device="cpu", micro_batching=MicroBatching(2))
+        # Two guided samples a transformer call (SD3's takes both branches: 4 rows), two images a VAE call.
+        micro_batching = MicroBatching(4 if family == "sd3" else 2, decode_default=2)
+        loaded[family] = load_pipeline(family, tiny_family_dirs[family], device="cpu", micro_batching=micro_batching)
     return loaded
 
 

@@ -14,7 +14,7 @@ from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
-from rollout.sampler import sample, sample_tree
+from rollout.sampler import micro_batch_size, resolve_options, sample, sample_tree
 from rollout.tree import Branching, TreeRoot
 from rollout.transitions import TransitionKind
 from tests.test_transitions import reference_log_prob, reference_step
@@ -92,7 +92,7 @@ def test_the_transformer_runs_once_per_node_and_step(random_pipeline):
     # A root runs steps 0..2; 3 children run 3..4; 6 grandchildren run 5: 3 + 3 x 2 + 6 x 1 = 15 rows,
     # not 6 leaves x 6 steps = 36. With padding, each step's rows are whole micro-batches.
     call = grow(random_pipeline, [TreeRoot("1", "", 0, TWO_LEVELS)])
-    size = random_pipeline.micro_batching.default
+    size = micro_batch_size(random_pipeline, resolve_options(random_pipeline, OPTIONS))  # samples a call
     assert call.transformer_rows == sum(steps * math.ceil(rows / size) * size for steps, rows in ((3, 1), (2, 3), (1, 6)))
     kernels = MicroBatching(8, invariance="kernels")
     with_kernels = load_pipeline(micro_batching=kernels)

@@ -267,8 +267,8 @@ def _keyed(by_size: Mapping[tuple[int, int], int]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class MicroBatching:
-    """How many samples the transformer and the VAE take per call, per image size, and what makes a
-    sample's bits independent of the others in its call (`rollout.kernels`).
+    """How many rows the transformer and images the VAE take per call, per image size, and what
+    makes a sample's bits independent of the others in its call (`rollout.kernels`).
 
     With `BatchInvariance.PADDING` (the default) every call takes exactly the micro-batch's rows:
     the last call is padded, so a lone sample costs a whole micro-batch. With
@@ -276,14 +276,20 @@ class MicroBatching:
     under `BatchInvariantKernels`. Either way, larger images need smaller calls to fit in
     memory, hence the sizes per resolution.
 
+    The transformer's sizes count rows: a sample is one row of a call, or two where the family runs
+    classifier-free guidance's branches in one call (`RolloutPipeline.batches_guidance_branches`)
+    and the request turns guidance on, so such calls take half the samples
+    (`rollout.sampler.micro_batch_size`, at least one): a call's cost and memory go with its rows,
+    and a request without guidance fills the rows a guided one does.
+
     The VAE's calls have sizes of their own: an image's bits depend only on the size of the call
     that decodes it, and the two models are cheapest at different sizes (tiny Qwen-Image, 128 px,
     on this project's CPU: the transformer 37% cheaper per sample in calls of 16 than of 4, the VAE
     5%; docs/throughput.md).
 
     Attributes:
-        default: samples per transformer call for any size not in `by_size`.
-        by_size: `(height, width)` -> samples per transformer call.
+        default: rows per transformer call for any size not in `by_size`.
+        by_size: `(height, width)` -> rows per transformer call.
         invariance: padding, or batch-invariant kernels.
         decode_default: images per VAE call for any size not in `decode_by_size`; None: the
             transformer's size for the image size.
@@ -338,10 +344,11 @@ class MicroBatching:
             return self.decode_by_size[height, width]
         return self.size_for(height, width) if self.decode_default is None else self.decode_default
 
-    def calls(self, rows: int, height: int, width: int) -> list[slice]:
-        """The model calls that compute `rows` samples of an image size, as slices of their rows
-        padded to `padded_rows` (padding makes every call a whole micro-batch)."""
-        return _calls(self.padded_rows(rows, height, width), self.size_for(height, width))
+    def calls(self, rows: int, samples_per_call: int) -> list[slice]:
+        """The transformer calls that compute `rows` samples, at most `samples_per_call` a call
+        (`rollout.sampler.micro_batch_size`), as slices of their rows padded to `padded_rows`
+        (padding makes every call a whole micro-batch)."""
+        return _calls(self.padded_rows(rows, samples_per_call), samples_per_call)
 
     def decode_calls(self, rows: int, height: int, width: int) -> list[slice]:
         """The VAE's calls for `rows` images: whole calls of `decode_size_for` with padding; one image
@@ -353,11 +360,12 @@ class MicroBatching:
         size = self.decode_size_for(height, width)
         return _calls(rows + -rows % size, size)
 
-    def padded_rows(self, rows: int, height: int, width: int) -> int:
-        """Rows computed for `rows` samples: whole micro-batches with padding, `rows` under batch-invariant kernels."""
+    def padded_rows(self, rows: int, samples_per_call: int) -> int:
+        """Rows computed for `rows` samples in calls of `samples_per_call`: whole calls with padding,
+        `rows` under batch-invariant kernels."""
         if self.invariance is BatchInvariance.KERNELS:
             return rows
-        return rows + -rows % self.size_for(height, width)
+        return rows + -rows % samples_per_call
 
     def kernels(self) -> contextlib.AbstractContextManager:
         """The context every model call runs in (`rollout.kernels.kernels_for`)."""
@@ -407,6 +415,10 @@ class RolloutPipeline(Protocol):
     default_width: int
     default_num_frames: int  # 1 for an image model
     micro_batching: MicroBatching
+    # Whether classifier-free guidance runs its negative and positive branches in one transformer
+    # call, on rows [negative; positive], as SD3's pipeline does (not FLUX.1's, Qwen-Image's or
+    # Wan's, which make a call per branch): such a call holds two rows per sample.
+    batches_guidance_branches: bool
     # The denoisers' `weight_modules` names, in the order `ScheduleSnapshot.model_experts` indexes
     # them: ("transformer",) for a model with one.
     experts: tuple[str, ...]
@@ -456,6 +468,11 @@ class RolloutPipeline(Protocol):
         padded to its own length bucket) go to different buckets. Raises `UnknownPromptError`
         naming ``prompt`` or ``negative_prompt`` for a prompt the model cannot condition on.
         """
+        ...
+
+    def uses_negative_branch(self, options: SamplingOptions) -> bool:
+        """Whether requests with `options` (model defaults filled in) run classifier-free guidance's
+        negative branch, as the family's diffusers pipeline decides."""
         ...
 
     def predict_velocity(

@@ -83,6 +83,7 @@ class DiffusersFamily:
     default_guidance_scale: ClassVar[float]
     default_max_sequence_length: ClassVar[int]
     default_micro_batch_size: ClassVar[int] = 4
+    batches_guidance_branches: ClassVar[bool] = False
     default_num_frames: ClassVar[int] = 1  # an image
 
     def __init__(

@@ -115,6 +115,7 @@ class DigitFlowPipeline:
     """`RolloutPipeline` for the embedded digits model."""
 
     name = "embedded-digits"
+    batches_guidance_branches = True
 
     def __init__(
         self,
@@ -122,7 +123,7 @@ class DigitFlowPipeline:
         prompt_encoder: DigitPromptEncoder,
         scheduler: FlowMatchEulerDiscreteScheduler,
         default_guidance_scale: float = 2.0,
-        micro_batch_size: int = 8,
+        micro_batch_size: int = 16,
     ):
         self.transformer = transformer.eval().requires_grad_(False)
         self.prompt_encoder = prompt_encoder.eval().requires_grad_(False)
@@ -226,7 +227,7 @@ class DigitFlowPipeline:
         positive_ids, negative_ids = self._class_ids(prompts, negative_prompts)
         with torch.no_grad():
             positive = self._transformer_kwargs(positive_ids)
-            negative = self._transformer_kwargs(negative_ids) if cfg_scale(options) != 1.0 else None
+            negative = self._transformer_kwargs(negative_ids) if self.uses_negative_branch(options) else None
         return BucketedConditioning.single(Conditioning(pos_cond_kwargs=positive, neg_cond_kwargs=negative))
 
     def _transformer_kwargs(self, class_ids: list[int]) -> dict[str, torch.Tensor]:
@@ -242,10 +243,12 @@ class DigitFlowPipeline:
         expert: int = 0,
     ) -> torch.Tensor:
         check_single_denoiser(expert)
-        scale = cfg_scale(options)
-        if scale == 1.0:
+        if not self.uses_negative_branch(options):
             return self._velocity(x_t, timestep, conditioning.pos_cond_kwargs)
-        return batched_cfg_velocity(self._velocity, x_t, timestep, conditioning, scale)
+        return batched_cfg_velocity(self._velocity, x_t, timestep, conditioning, cfg_scale(options))
+
+    def uses_negative_branch(self, options: SamplingOptions) -> bool:
+        return cfg_scale(options) != 1.0
 
     def _velocity(self, x_t: torch.Tensor, timestep: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
         output = self.transformer(hidden_states=x_t.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)

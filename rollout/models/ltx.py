@@ -30,6 +30,7 @@ class LTXVideoFamily(DiffusersFamily):
     name = "ltx"
     diffusers_pipeline = "LTXPipeline"
     default_guidance_scale = 3.0  # the pipeline's
+    batches_guidance_branches = True
     default_max_sequence_length = 128
     default_micro_batch_size = 1  # a video a call, as for Wan
     default_num_frames = 161

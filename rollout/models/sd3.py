@@ -22,7 +22,9 @@ class StableDiffusion3Family(DiffusersFamily):
     name = "sd3"
     diffusers_pipeline = "StableDiffusion3Pipeline"
     default_guidance_scale = 7.0  # the pipeline's; Flow-GRPO trains SD3.5-Medium at 4.5
+    batches_guidance_branches = True
     default_max_sequence_length = 256
+    default_micro_batch_size = 8  # rows: 4 samples with guidance, which the pipeline's defaults turn on
 
     @property
     def patch_size(self) -> int:

@@ -13,6 +13,7 @@ from rollout.errors import InvalidRequestError, RequestSchemaError, UnknownPromp
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
+from rollout.sampler import micro_batch_size, resolve_options
 from rollout.schedule import ScheduleSnapshot
 from rollout.schema import RolloutRequest
 from tests.deployments.apps import APP_NAME
@@ -83,7 +84,9 @@ def test_concurrent_requests_are_batched(handle, embedded_pipeline):
     sizes = [part.sampler_batch_size for part in parts]
     assert max(sizes) > 1, sizes
     # Each call's transformer rows: 6 steps of its samples, padded to the micro-batch.
-    micro_batch = embedded_pipeline.micro_batching.size_for(16, 16)  # the served model's, as configured
+    # The served model's samples a call, as configured (guided by default: two rows each).
+    options = resolve_options(embedded_pipeline, SamplingOptions(num_inference_steps=6))
+    micro_batch = micro_batch_size(embedded_pipeline, options)
     assert [part.transformer_rows for part in parts] == [6 * -(-size // micro_batch) * micro_batch for size in sizes]
     # 16 one-sample requests took far fewer than 16 sampler calls.
     calls = sum(1 / size for size in sizes)

@@ -20,9 +20,9 @@ def test_served_samples_are_the_librarys_alone_and_nothing_is_padded(kernels_app
     group = kernels_app.handle.generate.remote(body).result()
     for result in (lone, group):
         (part,) = result.worker_results()
-        # One row a step for each sample of the sampler call (with padding: whole micro-batches of 8).
+        # One row a step for each sample of the sampler call (with padding: whole calls of 8 guided samples).
         assert part.transformer_rows == 5 * part.sampler_batch_size
-    library = load_pipeline(micro_batching=MicroBatching(8, invariance=BatchInvariance.KERNELS))
+    library = load_pipeline(micro_batching=MicroBatching(16, invariance=BatchInvariance.KERNELS))
     batch = group.batch()
     assert batch.samples[1].seed == 41 and batch.samples[1].prompt == "seven"
     for served in (*batch.samples, lone.batch().samples[0]):

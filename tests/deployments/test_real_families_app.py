@@ -59,10 +59,12 @@ def family_apps(serve_app, tiny_family_dirs, tiny_clip):
     rewards example's PickScore scorer."""
     _, base_url = serve_app
     targets = []
+    # Two guided samples a transformer call (SD3's takes both branches: 4 rows), two images a VAE call.
+    micro_batches = {family: {"micro_batch_size": 4 if family == "sd3" else 2, "decode_batch_size": 2} for family in FAMILIES}
     for family in FAMILIES:
         config = {
             "app_name": f"family-{family}",
-            "model": {"path": str(tiny_family_dirs[family]), "micro_batch_size": 2},
+            "model": {"path": str(tiny_family_dirs[family]), **micro_batches[family]},
             "weight_version": f"{family}-v0",
             "num_worker_replicas": 1,
             "worker_num_cpus": 0.25,
@@ -76,13 +78,17 @@ def family_apps(serve_app, tiny_family_dirs, tiny_clip):
         family: (
             handle,
             f"{base_url}/{family}",
-            load_pipeline(None, tiny_family_dirs[family], device="cpu", micro_batching=MicroBatching(2)),
+            load_pipeline(None, tiny_family_dirs[family], device="cpu", micro_batching=library_micro_batching(micro_batches[family])),
         )
         for family, handle in zip(FAMILIES, handles)
     }
     yield apps
     for family in FAMILIES:
         serve.delete(f"family-{family}")
+
+
+def library_micro_batching(model: dict) -> MicroBatching:
+    return MicroBatching(model["micro_batch_size"], decode_default=model["decode_batch_size"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -54,7 +54,7 @@ def test_a_leaf_regenerated_alone_from_its_row_equals_its_row(http, base_url):
     """What a row carries is enough: its prompt, its path, its root's seed (`branch_seeds[0]`) and
     the request's branching grow that leaf alone, with no sibling, to the row's bits."""
     rows = post(http, base_url, TREE)
-    library = load_pipeline(micro_batching=MicroBatching(8))  # the served model's
+    library = load_pipeline(micro_batching=MicroBatching(16))  # the served model's
     options = SamplingOptions(num_inference_steps=6, sde_step_indices=(2, 3, 4))
     for row in (rows[0], rows[7], rows[14]):
         root = TreeRoot(row["prompt"], "", row["branch_seeds"][0], BRANCHING, paths=(tuple(row["branch_path"]),))
@@ -79,7 +79,7 @@ def test_a_tree_shares_a_sampler_call_with_an_unbranched_request_and_keeps_the_l
     # Nothing padded under the kernels: a root runs steps 0 .. 2, 2 children 3 .. 4, 4 leaves 5;
     # the unbranched sample all 6.
     assert parts[0].transformer_rows == 3 + 2 * 2 + 4 + 6
-    library = load_pipeline(micro_batching=MicroBatching(8, invariance="kernels"))  # the served model's
+    library = load_pipeline(micro_batching=MicroBatching(16, invariance="kernels"))  # the served model's
     batch = results[0].batch()
     roots = [TreeRoot("8", "", 500, BRANCHING), TreeRoot("5", "", 40)]
     alone = [leaf for root in roots for leaf in sample_tree(library, [root], batch.options).batch.samples]
