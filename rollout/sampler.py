@@ -22,7 +22,6 @@ Device memory grows with the micro-batch, host memory with what is kept, once.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -80,10 +79,10 @@ def pad_conditioning(conditioning: Conditioning, rows: int) -> Conditioning:
 def pad_buckets(pipeline: RolloutPipeline, conditioning: BucketedConditioning, options: SamplingOptions) -> BucketedConditioning:
     """Each bucket padded to the rows its model calls compute (`MicroBatching.padded_rows`)."""
     samples_per_call = micro_batch_size(pipeline, options)
-    padded_rows = functools.partial(pipeline.micro_batching.padded_rows, samples_per_call=samples_per_call)
+    padded_rows = pipeline.micro_batching.padded_rows
     return BucketedConditioning(
         tuple(
-            ConditioningBucket(b.rows, pad_conditioning(b.conditioning, padded_rows(len(b.rows))))
+            ConditioningBucket(b.rows, pad_conditioning(b.conditioning, padded_rows(len(b.rows), samples_per_call)))
             for b in conditioning.buckets
         )
     )
