@@ -101,8 +101,8 @@ def calibrated_sizes(path: Path, name: str) -> tuple[int, int, str]:
 
     report = (
         f"{name}: ms per sample, rollout less its decode {ms(calibration.denoising_seconds_per_sample)}, "
-        f"decode {ms(calibration.decode_seconds_per_sample)}; chosen {calibration.chosen} for the transformer, "
-        f"{calibration.chosen_for_decode} for the VAE"
+        f"decode {ms(calibration.decode_seconds_per_sample)}; chosen for batches of {calibration.load}: "
+        f"{calibration.chosen} for the transformer, {calibration.chosen_for_decode} for the VAE"
     )
     return calibration.chosen, calibration.chosen_for_decode, report
 

@@ -16,7 +16,7 @@ within half of `graceful_shutdown_timeout_s`, else with a retryable 503. `info` 
 `ROLLOUT_AUTH_TOKEN`, when set, as the bearer token. `calibrate` times a rollout and its decode
 at each candidate micro-batch size on this machine (`rollout.calibration`) and prints, or writes
 into a Serve config file's application args, the `model.micro_batch_sizes` (transformer) and
-`model.decode_batch_sizes` (VAE) it picks.
+`model.decode_batch_sizes` (VAE) it picks for batches of `--load` samples.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import click  # noqa: E402
 import yaml  # noqa: E402  (Ray's own dependency, which reads Serve config files)
 
 from deployments.config import AppConfigError, RolloutAppConfig, nest_dotted_keys  # noqa: E402
-from rollout.calibration import DEFAULT_CANDIDATES  # noqa: E402
+from rollout.calibration import DEFAULT_CANDIDATES, DEFAULT_LOAD  # noqa: E402
 
 HTTP_HOST, HTTP_PORT, PROBE_PORT = "127.0.0.1", 8000, 8001
 # A traceback's last line: "rollout.errors.ModelLoadError: model.path: ..." (the class without its module).
@@ -84,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--guidance-scale", type=float, help="the requests' guidance_scale (CFG doubles the rows)")
     calibrate.add_argument("--true-cfg-scale", type=float, help="the requests' true_cfg_scale")
     calibrate.add_argument("--repeats", type=int, default=5, help="rounds of one timed call per candidate, taken in turns; the fastest counts")
+    calibrate.add_argument(
+        "--load",
+        type=int,
+        default=DEFAULT_LOAD,
+        help="samples in the batches to serve (an RL group, or several); sizes are picked for this load, padding counted",
+    )
     calibrate.add_argument(
         "--batch-invariance",
         default="padding",
@@ -282,7 +288,8 @@ def calibrate(arguments: argparse.Namespace) -> None:
         pipeline.micro_batching = MicroBatching(pipeline.micro_batching.default, invariance=arguments.batch_invariance)
         sizes = sizes or [(pipeline.default_height, pipeline.default_width)]
         results = [
-            measure(pipeline, h, w, tuple(arguments.candidates), guidance, repeats=arguments.repeats) for h, w in sizes
+            measure(pipeline, h, w, tuple(arguments.candidates), guidance, arguments.repeats, arguments.load)
+            for h, w in sizes
         ]
         kernels = arguments.batch_invariance == "kernels"
         checks = [check_batch_invariance(pipeline, h, w, guidance) for h, w in sizes] if kernels else []
@@ -291,17 +298,17 @@ def calibrate(arguments: argparse.Namespace) -> None:
     candidates = sorted(set(arguments.candidates))
     print(
         f"{pipeline.name}, {arguments.dtype}, on {pipeline.device}, batch invariance by {arguments.batch_invariance}: "
-        f"ms per sample of a rollout of {max(candidates)} samples less its decode, and of the decode alone, "
-        "in calls of each size"
+        f"ms for a batch of {arguments.load} samples in calls of each size, its last call padded, from a rollout of "
+        f"{max(candidates)} samples: the rollout less its decode (transformer), and the decode alone (VAE)"
     )
     print("| size | calls of | " + " | ".join(map(str, candidates)) + " | chosen |")
     print("|---" * (len(candidates) + 3) + "|")
     for result in results:
-        for part, per_sample, chosen in (
-            ("transformer", result.denoising_seconds_per_sample, result.chosen),
-            ("VAE", result.decode_seconds_per_sample, result.chosen_for_decode),
+        for part, seconds, chosen in (
+            ("transformer", result.denoising_seconds_for_load, result.chosen),
+            ("VAE", result.decode_seconds_for_load, result.chosen_for_decode),
         ):
-            times = " | ".join(f"{per_sample[c] * 1e3:.2f}" for c in candidates)
+            times = " | ".join(f"{seconds[c] * 1e3:.2f}" for c in candidates)
             print(f"| {result.size_key} | {part} | {times} | {'an image a call' if chosen is None else chosen} |")
     for result, check in zip(results, checks):
         verdict = "holds" if check.holds else "does NOT hold: use padding"

@@ -4,11 +4,11 @@ With padding, batch invariance needs every model call to take the same number of
 one. Larger calls cost less per sample until the device is saturated, and a lone sample pays for
 the rows its call is padded to. `calibrate` times the rollout itself at each candidate size, and
 the VAE's decode of its samples, on this device, in this dtype, at one image size, and picks for
-the transformer and for the VAE, each on its own time, the smallest size whose time per sample is
-within `tolerance` of the best, among the sizes whose calls give a sample the same bits at every
-position in them: the throughput of the largest calls for the least padding. Under
-batch-invariant kernels nothing is padded, so it picks the transformer's size with the best time
-per sample, and the VAE decodes an image a call.
+the transformer and for the VAE, each on its own time, the smallest size within `tolerance` of the
+fastest for the load to serve (a batch of `load` samples, the padding of its last call counted),
+among the sizes whose calls give a sample the same bits at every position in them. A fixed size cannot be cheap for every load: RL groups want few, large calls, a lone sample
+the least padding. Under batch-invariant kernels nothing is padded, so it picks the transformer's
+size with the best time per sample, and the VAE decodes an image a call.
 
 `check_batch_invariance` tests, on the device, what the batch invariance promises: under
 batch-invariant kernels, a sample's velocity and image alone equal its velocity and image in a call
@@ -31,6 +31,11 @@ from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, pad_conditioning, resolve_options, rows_per_sample, sample
 
 DEFAULT_CANDIDATES = (1, 2, 4, 8, 16, 32)
+# An RL group: Flow-GRPO and DanceGRPO sample 8 to 24 images a prompt, and a worker batches several.
+DEFAULT_LOAD = 16
+# Sizes this close to the fastest for the load are within the timing's noise on a shared machine;
+# the smallest of them pads smaller loads least.
+DEFAULT_TOLERANCE = 0.02
 # Guidance off for every family: SD3's and the embedded model's CFG weight, FLUX.1's and
 # Qwen-Image's true CFG, Wan's and LTX-Video's CFG.
 UNGUIDED = {"guidance_scale": 1.0, "true_cfg_scale": 1.0}
@@ -48,12 +53,18 @@ class Calibration:
             samples with the transformer's and the VAE's calls of that size, per sample.
         decode_seconds_per_sample: candidate size -> the best time of the VAE's decode of those
             samples alone in calls of that size, per sample.
-        chosen: the transformer's micro-batch size: the smallest candidate within the tolerance of
-            the best time per sample of the rollout less its decode (with padding), or the best
-            (under batch-invariant kernels).
-        chosen_for_decode: the VAE's: the smallest candidate within the tolerance of the best
-            decode time per sample (with padding); None under batch-invariant kernels, which decode
-            an image a call.
+        load: the samples of the batch the sizes were picked for.
+        denoising_seconds_for_load, decode_seconds_for_load: candidate size -> the time of the
+            rollout less its decode, and of the decode, for `load` samples in calls of that size:
+            the time per computed row times the rows computed, the padding of the last call
+            included.
+        chosen: the transformer's micro-batch size: with padding, the smallest candidate within the
+            tolerance of the least time of the rollout less its decode for `load` samples, their
+            padding to whole calls counted (`seconds_for_load`); under batch-invariant kernels, the
+            best time per sample.
+        chosen_for_decode: the VAE's: the smallest candidate within the tolerance of the least
+            decode time for `load` samples (with padding); None under batch-invariant kernels,
+            which decode an image a call.
         checks: with padding, candidate size -> `check_batch_invariance` in calls of that size;
             a size at which the transformer (the VAE) gives a sample other bits at another position
             in the call is not chosen for it.
@@ -63,6 +74,9 @@ class Calibration:
     width: int
     seconds_per_sample: dict[int, float]
     decode_seconds_per_sample: dict[int, float]
+    load: int
+    denoising_seconds_for_load: dict[int, float]
+    decode_seconds_for_load: dict[int, float]
     chosen: int
     chosen_for_decode: int | None
     checks: dict[int, "InvarianceCheck"]
@@ -99,7 +113,8 @@ def calibrate(
     candidates: tuple[int, ...] = DEFAULT_CANDIDATES,
     guidance: dict | None = None,
     repeats: int = 5,
-    tolerance: float = 0.05,
+    load: int = DEFAULT_LOAD,
+    tolerance: float = DEFAULT_TOLERANCE,
 ) -> Calibration:
     """Times a rollout of `max(candidates)` samples (`CALIBRATION_STEPS` steps, then the decode)
     with the pipeline's transformer and VAE calls set to each candidate size in turn, under its
@@ -119,6 +134,12 @@ def calibrate(
     denoising would, and picked 4 for tiny Qwen-Image, whose VAE is 5% cheaper in calls of 16 than of 4
     and whose transformer is 37% cheaper per sample in calls of 16 than of 4 (docs/throughput.md).
 
+    The size is picked for a load: a size larger than the load pads its one call, so a lone sample
+    is cheapest in the smallest calls and a group of 16 in calls of 16 (tiny SD3 at 128 px with
+    CFG on this project's CPU: 3.6% less time per sample than calls of 8, where a 5% tolerance on
+    the time per sample picked 8, and the rollout of 16 samples then took 1.06-1.08x the pipeline's
+    one call; docs/throughput.md).
+
     With padding, a size is picked for the transformer (the VAE) only if its calls give a sample
     the same bits at every position in them (`check_batch_invariance`, at each candidate after its
     warm-up): padding keeps a sample's bits only at such sizes.
@@ -131,15 +152,22 @@ def calibrate(
         guidance: `guidance_scale` / `true_cfg_scale` of the requests to serve (CFG doubles the
             rows the transformer takes); None keeps the model's default.
         repeats: rounds of timed rollouts; each candidate's fastest counts.
+        load: the samples of the batches to serve (a worker's batch: a request's, or several
+            requests' of equal options).
+        tolerance: how much more time for the load than the fastest size a smaller size may take
+            and still be picked.
     """
     if not candidates or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in candidates):
         raise ValueError(f"candidates must be integers >= 1, got {candidates!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if isinstance(load, bool) or not isinstance(load, int) or load < 1:
+        raise ValueError(f"load must be an integer >= 1, got {load!r}")
     options = SamplingOptions(height=height, width=width, num_inference_steps=CALIBRATION_STEPS, **(guidance or {}))
     # For the transformer, only sizes of whole samples' rows: with guidance in one call, a size of 1
     # (or 5) makes calls of 2 (or 4) rows, and would be written down as what it is not.
-    per_sample = rows_per_sample(pipeline, resolve_options(pipeline, options))
+    resolved = resolve_options(pipeline, options)
+    per_sample = rows_per_sample(pipeline, resolved)
     if all(rows % per_sample for rows in candidates):
         raise ValueError(f"a guided sample takes {per_sample} rows of a {pipeline.name} call: add an even candidate")
     samples = max(candidates)
@@ -167,10 +195,11 @@ def calibrate(
 
     sizes = sorted(set(candidates))
     padding = micro_batching.invariance is BatchInvariance.PADDING
-    checks = {}
+    checks, samples_per_call = {}, {}
     try:
         for rows in sizes:  # a warm-up each, and with padding the check that the size keeps a sample's bits
             seconds_of(rows)
+            samples_per_call[rows] = micro_batch_size(pipeline, resolved)
             if padding:
                 checks[rows] = check_batch_invariance(pipeline, height, width, guidance)
         rounds = [{rows: seconds_of(rows) for rows in sizes} for _ in range(repeats)]
@@ -178,16 +207,33 @@ def calibrate(
         pipeline.micro_batching = micro_batching
     seconds_per_sample = {rows: min(times[rows][0] for times in rounds) / samples for rows in sizes}
     decode_seconds_per_sample = {rows: min(times[rows][1] for times in rounds) / samples for rows in sizes}
-    denoising = {rows: seconds_per_sample[rows] - decode_seconds_per_sample[rows] for rows in sizes}
+
+    def for_load(per_sample_seconds: float, per_call: int) -> float:
+        """From the time per sample of `samples` samples in calls of `per_call`, that of `load`."""
+        per_row = per_sample_seconds * samples / micro_batching.padded_rows(samples, per_call)
+        return per_row * micro_batching.padded_rows(load, per_call)
+
+    denoising = {
+        rows: for_load(seconds_per_sample[rows] - decode_seconds_per_sample[rows], samples_per_call[rows])
+        for rows in sizes
+    }
+    decode = {rows: for_load(decode_seconds_per_sample[rows], rows) for rows in sizes}
+    measured = {
+        "height": height,
+        "width": width,
+        "seconds_per_sample": seconds_per_sample,
+        "decode_seconds_per_sample": decode_seconds_per_sample,
+        "load": load,
+        "denoising_seconds_for_load": denoising,
+        "decode_seconds_for_load": decode,
+    }
     whole = {rows: denoising[rows] for rows in sizes if rows % per_sample == 0}
     if not padding:
         # A call takes only the rows there are: a larger size costs a lone sample nothing.
-        return Calibration(
-            height, width, seconds_per_sample, decode_seconds_per_sample, _smallest_near_best(whole, 0.0), None, {}
-        )
+        return Calibration(**measured, chosen=_smallest_near_best(whole, 0.0), chosen_for_decode=None, checks={})
     # Only sizes whose calls give a sample the same bits at every position in them.
     transformer_sizes = {rows: seconds for rows, seconds in whole.items() if checks[rows].velocity_difference == 0}
-    vae_sizes = {rows: decode_seconds_per_sample[rows] for rows in sizes if checks[rows].image_difference == 0}
+    vae_sizes = {rows: decode[rows] for rows in sizes if checks[rows].image_difference == 0}
     if not transformer_sizes or not vae_sizes:
         raise ValueError(
             f"in calls of every candidate size, the {'VAE' if transformer_sizes else 'transformer'} gives a sample "
@@ -195,19 +241,16 @@ def calibrate(
             "threads: add 1 to the candidates"
         )
     return Calibration(
-        height,
-        width,
-        seconds_per_sample,
-        decode_seconds_per_sample,
-        _smallest_near_best(transformer_sizes, tolerance),
-        _smallest_near_best(vae_sizes, tolerance),
-        checks,
+        **measured,
+        chosen=_smallest_near_best(transformer_sizes, tolerance),
+        chosen_for_decode=_smallest_near_best(vae_sizes, tolerance),
+        checks=checks,
     )
 
 
-def _smallest_near_best(seconds_per_sample: dict[int, float], tolerance: float) -> int:
-    best = min(seconds_per_sample.values())
-    return min(rows for rows, seconds in seconds_per_sample.items() if seconds <= best * (1 + tolerance))
+def _smallest_near_best(seconds_by_size: dict[int, float], tolerance: float) -> int:
+    best = min(seconds_by_size.values())
+    return min(rows for rows, seconds in seconds_by_size.items() if seconds <= best * (1 + tolerance))
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ trains (SD3.5-Medium: CFG 4.5; FLUX.1-dev: its embedded guidance 3.5):
 - the largest |difference| of final latents between the rollout's ODE path (fp32 latents) and
   `pipeline(..., output_type="latent")` (latents re-cast to bf16 every step);
 - the micro-batch calibration (`rollout.calibration`: time per sample of a rollout and of its
-  decode at each candidate size), and
-  with the transformer's and the VAE's sizes it picks, samples/s of the rollout and of `pipeline(...)` at 1, 8, 16 and 64
+  decode at each candidate size, and of a batch of 16, its padding counted), and
+  with the transformer's and the VAE's sizes it picks for 16, samples/s of the rollout and of `pipeline(...)` at 1, 8, 16 and 64
   samples (two interleaved rounds each, the faster counts);
 - whether batch-invariant kernels (`rollout/kernels.py`) keep a sample's bits on the GPU
   (`check_batch_invariance`), and where they do, the replay difference and the same samples/s
@@ -306,6 +306,9 @@ def check_family(
         "micro_batch_seconds_per_sample": calibration.seconds_per_sample,
         "micro_batch_denoising_seconds_per_sample": calibration.denoising_seconds_per_sample,
         "micro_batch_decode_seconds_per_sample": calibration.decode_seconds_per_sample,
+        "micro_batch_load": calibration.load,
+        "micro_batch_denoising_seconds_for_load": calibration.denoising_seconds_for_load,
+        "micro_batch_decode_seconds_for_load": calibration.decode_seconds_for_load,
         "micro_batch_chosen": calibration.chosen,
         "decode_batch_chosen": calibration.chosen_for_decode,
         "throughput_by_batch_size": throughput,

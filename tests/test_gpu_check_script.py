@@ -32,6 +32,8 @@ def test_the_gpu_check_runs_on_the_tiny_copies(tmp_path):
     assert set(per_sample) == {1, 2} and findings["micro_batch_chosen"] in per_sample
     assert findings["decode_batch_chosen"] in per_sample
     assert set(findings["micro_batch_decode_seconds_per_sample"]) == set(findings["micro_batch_seconds_per_sample"])
+    assert findings["micro_batch_load"] == 16
+    assert set(findings["micro_batch_denoising_seconds_for_load"]) == set(findings["micro_batch_seconds_per_sample"])
     throughput = findings["throughput_by_batch_size"]
     assert set(throughput) == {"1", "8"}
     for rates in throughput.values():

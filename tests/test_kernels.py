@@ -248,7 +248,9 @@ def test_calibration_under_kernels_picks_the_best_time_per_sample(family_pipelin
     assert family_pipelines["sd3"].micro_batching == kernels()  # each candidate's setting undone
 
 
-@pytest.mark.parametrize("arguments", [{"candidates": ()}, {"candidates": (0, 2)}, {"repeats": 0}, {"repeats": True}])
+@pytest.mark.parametrize(
+    "arguments", [{"candidates": ()}, {"candidates": (0, 2)}, {"repeats": 0}, {"repeats": True}, {"load": 0}]
+)
 def test_calibration_names_a_bad_argument(family_pipelines, arguments):
     name = next(iter(arguments))
     with pytest.raises(ValueError, match=f"^{name} must be"):

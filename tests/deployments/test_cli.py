@@ -148,9 +148,10 @@ def test_no_server_is_one_line_that_says_to_start_one():
 def test_calibrate_prints_the_table_and_writes_it_into_a_serve_config_file(tmp_path, capsys):
     config_file = tmp_path / "serve_config.yaml"
     config_file.write_text(SERVE_CONFIG.read_text())
-    cli.main(["calibrate", "--size", "16x16", "--candidates", "1", "2", "--repeats", "1", "--write", str(config_file)])
+    arguments = ["calibrate", "--size", "16x16", "--candidates", "1", "2", "--repeats", "1", "--load", "3"]
+    cli.main([*arguments, "--write", str(config_file)])
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].startswith("embedded-digits, float32, on cpu, batch invariance by padding: ms per sample of a rollout")
+    assert printed[0].startswith("embedded-digits, float32, on cpu, batch invariance by padding: ms for a batch of 3 samples")
     assert printed[1] == "| size | calls of | 1 | 2 | chosen |"
     assert printed[3].startswith("| 16x16 | transformer | ") and printed[4].startswith("| 16x16 | VAE | ")
     chosen, chosen_for_decode = (int(line.rsplit("|", 2)[1]) for line in printed[3:5])
@@ -181,6 +182,12 @@ def test_calibrate_names_a_bad_size():
     with pytest.raises(SystemExit) as stopped:
         cli.main(["calibrate", "--size", "16"])
     assert str(stopped.value) == "--size: expected HEIGHTxWIDTH such as 1024x1024, got '16'"
+
+
+def test_calibrate_names_a_bad_load():
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["calibrate", "--load", "0"])
+    assert str(stopped.value) == "calibrate: load must be an integer >= 1, got 0"
 
 
 def test_an_answer_that_is_not_a_json_object_is_one_line(answering):
