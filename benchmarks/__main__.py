@@ -342,8 +342,8 @@ class Suite:
             f"docs/throughput.md): tiny SD3, FLUX.1 and Qwen-Image copies widened to width 128, 128 x 128 px, ODE, "
             f"every latent and log-prob kept, batch invariance by padding and by batch-invariant kernels, "
             f"{os.cpu_count()} torch threads, each family at the transformer's and the VAE's micro-batch sizes "
-            f"`rollout.calibration.calibrate` picks for it (with CFG; under the kernels the VAE decodes an image a "
-            f"call):",
+            f"`rollout.calibration.calibrate` picks for it, with CFG, for batches of 16 (under the kernels the VAE "
+            f"decodes an image a call):",
             "",
             *(f"- {report}" for report in calibrations),
             "",
