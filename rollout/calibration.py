@@ -56,11 +56,11 @@ class Calibration:
         load: the samples of the batch the sizes were picked for.
         denoising_seconds_for_load, decode_seconds_for_load: candidate size -> the time of the
             rollout less its decode, and of the decode, for `load` samples in calls of that size:
-            the time per computed row times the rows computed, the padding of the last call
+            the time per computed sample times the samples computed, the padding of the last call
             included.
         chosen: the transformer's micro-batch size: with padding, the smallest candidate within the
             tolerance of the least time of the rollout less its decode for `load` samples, their
-            padding to whole calls counted (`seconds_for_load`); under batch-invariant kernels, the
+            padding to whole calls counted (`denoising_seconds_for_load`); under batch-invariant kernels, the
             best time per sample.
         chosen_for_decode: the VAE's: the smallest candidate within the tolerance of the least
             decode time for `load` samples (with padding); None under batch-invariant kernels,
@@ -210,8 +210,8 @@ def calibrate(
 
     def for_load(per_sample_seconds: float, per_call: int) -> float:
         """From the time per sample of `samples` samples in calls of `per_call`, that of `load`."""
-        per_row = per_sample_seconds * samples / micro_batching.padded_rows(samples, per_call)
-        return per_row * micro_batching.padded_rows(load, per_call)
+        per_computed_sample = per_sample_seconds * samples / micro_batching.padded_rows(samples, per_call)
+        return per_computed_sample * micro_batching.padded_rows(load, per_call)
 
     denoising = {
         rows: for_load(seconds_per_sample[rows] - decode_seconds_per_sample[rows], samples_per_call[rows])
