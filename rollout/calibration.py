@@ -6,9 +6,10 @@ the rows its call is padded to. `calibrate` times the rollout itself at each can
 the VAE's decode of its samples, on this device, in this dtype, at one image size, and picks for
 the transformer and for the VAE, each on its own time, the smallest size within `tolerance` of the
 fastest for the load to serve (a batch of `load` samples, the padding of its last call counted),
-among the sizes whose calls give a sample the same bits at every position in them. A fixed size cannot be cheap for every load: RL groups want few, large calls, a lone sample
-the least padding. Under batch-invariant kernels nothing is padded, so it picks the transformer's
-size with the best time per sample, and the VAE decodes an image a call.
+among the sizes whose calls give a sample the same bits at every position in them. A fixed size
+cannot be cheap for every load: RL groups want few, large calls, a lone sample the least padding.
+Under batch-invariant kernels nothing is padded, so it picks the transformer's size with the best
+time per sample, and the VAE decodes an image a call.
 
 `check_batch_invariance` tests, on the device, what the batch invariance promises: under
 batch-invariant kernels, a sample's velocity and image alone equal its velocity and image in a call
@@ -60,8 +61,8 @@ class Calibration:
             included.
         chosen: the transformer's micro-batch size: with padding, the smallest candidate within the
             tolerance of the least time of the rollout less its decode for `load` samples, their
-            padding to whole calls counted (`denoising_seconds_for_load`); under batch-invariant kernels, the
-            best time per sample.
+            padding to whole calls counted (`denoising_seconds_for_load`); under batch-invariant
+            kernels, the best time per sample.
         chosen_for_decode: the VAE's: the smallest candidate within the tolerance of the least
             decode time for `load` samples (with padding); None under batch-invariant kernels,
             which decode an image a call.
@@ -157,12 +158,11 @@ def calibrate(
         tolerance: how much more time for the load than the fastest size a smaller size may take
             and still be picked.
     """
-    if not candidates or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in candidates):
+    if not candidates or not all(map(_is_count, candidates)):
         raise ValueError(f"candidates must be integers >= 1, got {candidates!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-    if isinstance(load, bool) or not isinstance(load, int) or load < 1:
-        raise ValueError(f"load must be an integer >= 1, got {load!r}")
+    for name, value in (("repeats", repeats), ("load", load)):
+        if not _is_count(value):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     options = SamplingOptions(height=height, width=width, num_inference_steps=CALIBRATION_STEPS, **(guidance or {}))
     # For the transformer, only sizes of whole samples' rows: with guidance in one call, a size of 1
     # (or 5) makes calls of 2 (or 4) rows, and would be written down as what it is not.
@@ -246,6 +246,11 @@ def calibrate(
         chosen_for_decode=_smallest_near_best(vae_sizes, tolerance),
         checks=checks,
     )
+
+
+def _is_count(value) -> bool:
+    """An int >= 1 (a bool is an int to Python, not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _smallest_near_best(seconds_by_size: dict[int, float], tolerance: float) -> int:
