@@ -97,6 +97,9 @@ class DiffusersFamily:
         self.scheduler = pipe.scheduler
         self.transformer = pipe.transformer
         self.vae = pipe.vae
+        # Read once: diffusers' `dtype` walks every submodule, and each transformer call needs it.
+        # Loading sets it; weight updates and moving memory keep it.
+        self._dtype = self.transformer.dtype
         for module in pipe.components.values():
             if isinstance(module, nn.Module):
                 module.eval().requires_grad_(False)
@@ -151,11 +154,14 @@ class DiffusersFamily:
 
     @property
     def device(self) -> torch.device:
-        return self.transformer.device
+        # The first parameter's, where diffusers' `device` finds it too, but without first walking
+        # every submodule for offloading hooks (these pipelines use none): the loop asks every step.
+        # Not cached: releasing memory moves the weights.
+        return next(self.transformer.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
+        return self._dtype
 
     @property
     def weight_modules(self) -> dict[str, nn.Module]:
