@@ -3,7 +3,7 @@
 With padding, batch invariance needs every model call to take the same number of rows, not a small
 one. Larger calls cost less per sample until the device is saturated, and a lone sample pays for
 the rows its call is padded to. `calibrate` times the rollout itself at each candidate size, and
-the VAE's decode of its samples, on this device, in this dtype, at one image size, and picks for
+the VAE's decode within it, on this device, in this dtype, at one image size, and picks for
 the transformer and for the VAE, each on its own time, the smallest size within `tolerance` of the
 fastest for the load to serve (a batch of `load` samples, the padding of its last call counted),
 among the sizes whose calls give a sample the same bits at every position in them. A fixed size
@@ -19,8 +19,10 @@ it moves to another position in it. Bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +52,11 @@ class Calibration:
     """One image size's measurement.
 
     Attributes:
-        seconds_per_sample: candidate size -> the best time of a rollout of `max(candidates)`
-            samples with the transformer's and the VAE's calls of that size, per sample.
-        decode_seconds_per_sample: candidate size -> the best time of the VAE's decode of those
-            samples alone in calls of that size, per sample.
+        denoising_seconds_per_sample: candidate size -> the best time of a rollout of
+            `max(candidates)` samples with the transformer's and the VAE's calls of that size, less
+            the time of its decode, per sample: encoding, transformer calls and steps.
+        decode_seconds_per_sample: candidate size -> the best time of that rollout's decode, per
+            sample.
         load: the samples of the batch the sizes were picked for.
         denoising_seconds_for_load, decode_seconds_for_load: candidate size -> the time of the
             rollout less its decode, and of the decode, for `load` samples in calls of that size:
@@ -73,7 +76,7 @@ class Calibration:
 
     height: int
     width: int
-    seconds_per_sample: dict[int, float]
+    denoising_seconds_per_sample: dict[int, float]
     decode_seconds_per_sample: dict[int, float]
     load: int
     denoising_seconds_for_load: dict[int, float]
@@ -86,11 +89,6 @@ class Calibration:
     def size_key(self) -> str:
         """The key of `model.micro_batch_sizes` and `model.decode_batch_sizes` in the app config."""
         return f"{self.height}x{self.width}"
-
-    @property
-    def denoising_seconds_per_sample(self) -> dict[int, float]:
-        """The rollout's time per sample less its decode's: encoding, transformer calls and steps."""
-        return {rows: seconds - self.decode_seconds_per_sample[rows] for rows, seconds in self.seconds_per_sample.items()}
 
 
 def _probe(
@@ -119,7 +117,7 @@ def calibrate(
 ) -> Calibration:
     """Times a rollout of `max(candidates)` samples (`CALIBRATION_STEPS` steps, then the decode)
     with the pipeline's transformer and VAE calls set to each candidate size in turn, under its
-    batch invariance, and the decode of the rollout's latents alone at that size. The
+    batch invariance, and within it the decode of its latents. The
     transformer's sizes count rows (`MicroBatching`): a guided sample takes two where guidance
     runs its branches in one call, and then only even sizes are picked for it.
 
@@ -145,7 +143,7 @@ def calibrate(
     the same bits at every position in them (`check_batch_invariance`, at each candidate after its
     warm-up): padding keeps a sample's bits only at such sizes.
 
-    The candidates take turns, one rollout and one decode each per round, after a warm-up each, so
+    The candidates take turns, one rollout each per round, after a warm-up each, so
     that a slow spell of a shared machine slows every candidate alike rather than the one timed
     during it. The pipeline's micro-batching is restored afterwards.
 
@@ -173,25 +171,17 @@ def calibrate(
     samples = max(candidates)
     micro_batching = pipeline.micro_batching
 
-    def timed(work):
-        """What `work()` returns, and the seconds it took."""
-        started = time.perf_counter()
-        result = work()
-        if pipeline.device.type == "cuda":
-            torch.cuda.synchronize(pipeline.device)
-        return result, time.perf_counter() - started
-
     def seconds_of(rows: int) -> tuple[float, float]:
-        """The rollout's time and its latents' decode time, in calls of `rows`."""
+        """The rollout's time less its decode's, and its decode's, in calls of `rows`."""
         pipeline.micro_batching = dataclasses.replace(
             micro_batching, default=rows, by_size={}, decode_default=rows, decode_by_size={}
         )
-        batch, rollout_seconds = timed(
-            lambda: sample(pipeline, [CALIBRATION_PROMPT] * samples, list(range(samples)), options)
-        )
-        latents = torch.stack([trajectory.final_latents for trajectory in batch.samples]).to(pipeline.device)
-        _, decode_seconds = timed(lambda: pipeline.decode(latents))
-        return rollout_seconds, decode_seconds
+        with _decode_timed(pipeline) as decode_seconds:
+            started = time.perf_counter()
+            sample(pipeline, [CALIBRATION_PROMPT] * samples, list(range(samples)), options)
+            _synchronize(pipeline.device)
+            rollout_seconds = time.perf_counter() - started
+        return rollout_seconds - decode_seconds[0], decode_seconds[0]
 
     sizes = sorted(set(candidates))
     padding = micro_batching.invariance is BatchInvariance.PADDING
@@ -205,7 +195,7 @@ def calibrate(
         rounds = [{rows: seconds_of(rows) for rows in sizes} for _ in range(repeats)]
     finally:
         pipeline.micro_batching = micro_batching
-    seconds_per_sample = {rows: min(times[rows][0] for times in rounds) / samples for rows in sizes}
+    denoising_seconds_per_sample = {rows: min(times[rows][0] for times in rounds) / samples for rows in sizes}
     decode_seconds_per_sample = {rows: min(times[rows][1] for times in rounds) / samples for rows in sizes}
 
     def for_load(per_sample_seconds: float, per_call: int) -> float:
@@ -214,14 +204,13 @@ def calibrate(
         return per_computed_sample * micro_batching.padded_rows(load, per_call)
 
     denoising = {
-        rows: for_load(seconds_per_sample[rows] - decode_seconds_per_sample[rows], samples_per_call[rows])
-        for rows in sizes
+        rows: for_load(denoising_seconds_per_sample[rows], samples_per_call[rows]) for rows in sizes
     }
     decode = {rows: for_load(decode_seconds_per_sample[rows], rows) for rows in sizes}
     measured = {
         "height": height,
         "width": width,
-        "seconds_per_sample": seconds_per_sample,
+        "denoising_seconds_per_sample": denoising_seconds_per_sample,
         "decode_seconds_per_sample": decode_seconds_per_sample,
         "load": load,
         "denoising_seconds_for_load": denoising,
@@ -246,6 +235,40 @@ def calibrate(
         chosen_for_decode=_smallest_near_best(vae_sizes, tolerance),
         checks=checks,
     )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _decode_timed(pipeline: RolloutPipeline) -> Iterator[list[float]]:
+    """Times the pipeline's decode calls while open: their seconds, summed, as the yielded list's
+    one item. The decode is timed inside the rollout, not again on its own after it: the rollout
+    less its decode is then one rollout's work, where the difference of two separate timings
+    carried the noise of both, and tiny Qwen-Image's decode, 85% of its rollout, made that noise
+    larger than the transformer's time (its picked size changed between two runs)."""
+    decode = pipeline.decode
+    own_decode = vars(pipeline).get("decode")  # one set on the object itself stays after
+    seconds = [0.0]
+
+    def timed_decode(latents: torch.Tensor) -> torch.Tensor:
+        _synchronize(pipeline.device)  # the denoising's queued work is not the decode's
+        started = time.perf_counter()
+        images = decode(latents)
+        _synchronize(pipeline.device)
+        seconds[0] += time.perf_counter() - started
+        return images
+
+    pipeline.decode = timed_decode
+    try:
+        yield seconds
+    finally:
+        if own_decode is None:
+            del pipeline.decode  # the class's method again
+        else:
+            pipeline.decode = own_decode
 
 
 def _is_count(value) -> bool:

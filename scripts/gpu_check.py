@@ -303,7 +303,6 @@ def check_family(
         "log_probs_finite": bool(torch.isfinite(rollout_log_probs).all()),
         "ode_vs_pipeline_max_abs_latent_diff": (ode_latents - pipeline_latents).abs().max().item(),
         "latent_abs_max": pipeline_latents.abs().max().item(),
-        "micro_batch_seconds_per_sample": calibration.seconds_per_sample,
         "micro_batch_denoising_seconds_per_sample": calibration.denoising_seconds_per_sample,
         "micro_batch_decode_seconds_per_sample": calibration.decode_seconds_per_sample,
         "micro_batch_load": calibration.load,

@@ -268,7 +268,8 @@ def test_the_calibrated_micro_batches_are_the_smallest_near_the_fastest_for_the_
     candidates, fields = (1, 2, 4), guidance(family, True)[0]
     pipeline = pipelines(family)
     calibration = calibrate(pipeline, SIZE, SIZE, candidates, fields, repeats=1, load=3)
-    assert set(calibration.seconds_per_sample) == set(candidates) and calibration.size_key == f"{SIZE}x{SIZE}"
+    assert calibration.size_key == f"{SIZE}x{SIZE}"
+    assert "decode" not in vars(pipeline)  # the decode timed within the rollout is the class's again
     # The transformer's size on the rollout less its decode, among whole guided samples' rows (SD3's
     # guided sample is two); the VAE's on the decode alone, among every candidate.
     guided_rows = rows_per_sample(pipeline, resolve_options(pipeline, SamplingOptions(**fields)))
