@@ -10,13 +10,15 @@ filtered by step filters; consumers index it by absolute step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
 
 def timesteps_as_they_are(timesteps: torch.Tensor) -> torch.Tensor:

@@ -10,15 +10,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.errors import InvalidRequestError
 from rollout.kernels import BatchInvariance, kernels_for
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
+
+if TYPE_CHECKING:
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
 
 @dataclass(frozen=True, kw_only=True)
