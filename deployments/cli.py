@@ -31,6 +31,7 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # Ray's switch for a cluster of one machine (named for the platforms where it is the default): the
 # node's IP is 127.0.0.1, so Ray's servers listen on loopback. Ray reads it when it is imported.
@@ -44,6 +45,9 @@ import yaml  # noqa: E402  (Ray's own dependency, which reads Serve config files
 
 from deployments.config import AppConfigError, RolloutAppConfig, nest_dotted_keys  # noqa: E402
 from rollout.calibration import DEFAULT_CANDIDATES, DEFAULT_LOAD  # noqa: E402
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 HTTP_HOST, HTTP_PORT, PROBE_PORT = "127.0.0.1", 8000, 8001
 # A traceback's last line: "rollout.errors.ModelLoadError: model.path: ..." (the class without its module).
@@ -198,6 +202,20 @@ def _stop_as_on_ctrl_c(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def run_app(config: RolloutAppConfig, route_prefix: str = "/") -> DeploymentHandle:
+    """Deploys the application and waits until it serves; one that fails to start exits with the
+    exception that failed each of its deployments, one line."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    try:
+        return serve.run(build_app(config), name=config.app_name, route_prefix=route_prefix)
+    except RuntimeError as error:  # what serve.run raises for an application that failed to deploy
+        cause = _failure_cause(config.app_name, error)
+        raise SystemExit(f"application {config.app_name!r} failed to start: {cause}") from None
+
+
 def _failure_cause(app_name: str, error: RuntimeError) -> str:
     """The exception that failed each deployment of `app_name`, one line: serve.run's error only names
     the deployments, and each one's status holds the replica's whole traceback, the exception last."""
@@ -218,7 +236,6 @@ def serve(arguments: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
     from deployments.local_ray import start_local_ray
 
     start_local_ray()
@@ -227,11 +244,7 @@ def serve(arguments: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
     try:
         serve.start(http_options=http_options)
-        try:
-            ingress = serve.run(build_app(config), name=config.app_name, route_prefix="/")
-        except RuntimeError as error:  # what serve.run raises for an application that failed to deploy
-            cause = _failure_cause(config.app_name, error)
-            raise SystemExit(f"application {config.app_name!r} failed to start: {cause}") from None
+        ingress = run_app(config)
         probes = f"probes: {config.probe_url}" if config.probe_url else "no probe port"
         url = f"http://{http_options['host']}:{http_options['port']}"
         # Its Ray address is what a driver or `ray job submit` needs (RAY_ADDRESS) where other clusters run too.
