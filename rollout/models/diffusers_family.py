@@ -99,7 +99,7 @@ class DiffusersFamily:
         self.vae = pipe.vae
         # Read once: diffusers' `dtype` walks every submodule, and each transformer call needs it.
         # Loading sets it; weight updates and moving memory keep it.
-        self._dtype = self.transformer.dtype
+        self.dtype: torch.dtype = self.transformer.dtype
         for module in pipe.components.values():
             if isinstance(module, nn.Module):
                 module.eval().requires_grad_(False)
@@ -158,10 +158,6 @@ class DiffusersFamily:
         # every submodule for offloading hooks (these pipelines use none): the loop asks every step.
         # Not cached: releasing memory moves the weights.
         return next(self.transformer.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
 
     @property
     def weight_modules(self) -> dict[str, nn.Module]:
