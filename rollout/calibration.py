@@ -179,7 +179,7 @@ def calibrate(
         with _decode_timed(pipeline) as decode_seconds:
             started = time.perf_counter()
             sample(pipeline, [CALIBRATION_PROMPT] * samples, list(range(samples)), options)
-            _synchronize(pipeline.device)
+            synchronize(pipeline.device)
             rollout_seconds = time.perf_counter() - started
         return rollout_seconds - decode_seconds[0], decode_seconds[0]
 
@@ -237,7 +237,9 @@ def calibrate(
     )
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device | str) -> None:
+    """Waits for the device's queued work, so that a timer read next counts it (CUDA runs async)."""
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -254,10 +256,10 @@ def _decode_timed(pipeline: RolloutPipeline) -> Iterator[list[float]]:
     seconds = [0.0]
 
     def timed_decode(latents: torch.Tensor) -> torch.Tensor:
-        _synchronize(pipeline.device)  # the denoising's queued work is not the decode's
+        synchronize(pipeline.device)  # the denoising's queued work is not the decode's
         started = time.perf_counter()
         images = decode(latents)
-        _synchronize(pipeline.device)
+        synchronize(pipeline.device)
         seconds[0] += time.perf_counter() - started
         return images
 

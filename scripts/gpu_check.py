@@ -48,7 +48,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from rollout.calibration import calibrate, check_batch_invariance  # noqa: E402
+from rollout.calibration import calibrate, check_batch_invariance, synchronize  # noqa: E402
 from rollout.kernels import BatchInvariance  # noqa: E402
 from rollout.models.base import MicroBatching  # noqa: E402
 from rollout.models.flux import FluxFamily  # noqa: E402
@@ -177,11 +177,6 @@ def building_on(device: str, dtype: torch.dtype):
             yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def measured(device: str, fn):

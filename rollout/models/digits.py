@@ -33,7 +33,7 @@ from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
 # Imported where a model is built: the ingress and the CLI import this module for its name and
-# weights path alone, and diffusers takes them seconds (about 4 of 10 for the ingress's imports).
+# weights path alone, and diffusers was about half of the ingress's 10 s of imports.
 if TYPE_CHECKING:
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
