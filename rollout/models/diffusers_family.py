@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import diffusers
 import numpy as np
@@ -63,6 +63,21 @@ def read_model_index(path: str | Path) -> dict[str, Any]:
     if missing:
         raise ModelLoadError("model.path", f"{path} lacks the component folder(s) {missing} that model_index.json lists")
     return index
+
+
+def stacked_in_one_buffer(rows: int, parts: Iterator[torch.Tensor]) -> torch.Tensor:
+    """The first `rows` rows of `parts` (consecutive; the last may run past `rows` with padding)
+    as one fp32 tensor, allocated with the first part and written part by part: a batch's images
+    are held once, not as a list of parts and then their concatenation, and a part's
+    postprocessing temporaries are freed before the next part is decoded."""
+    stacked, start = None, 0
+    for part in parts:
+        if stacked is None:
+            stacked = torch.empty((rows, *part.shape[1:]), dtype=torch.float32, device=part.device)
+        kept = part[: rows - start]
+        stacked[start : start + len(kept)] = kept
+        start += len(kept)
+    return stacked
 
 
 class DiffusersFamily:
@@ -299,20 +314,28 @@ class DiffusersFamily:
         decoded with."""
         batch_size, _, latent_height, latent_width = latents.shape
         height, width = latent_height * self.vae_scale_factor, latent_width * self.vae_scale_factor
-        calls = self.micro_batching.decode_calls(batch_size, height, width)
-        padded = zero_padded(latents, calls[-1].stop).to(self.vae.dtype)
+
+        def images():
+            for call in self.micro_batching.decode_calls(batch_size, height, width):
+                padded = zero_padded(latents[call], call.stop - call.start).to(self.vae.dtype)
+                yield self.pipe.image_processor.postprocess(self.decode_latents(padded), output_type="pt")
+
         with torch.no_grad():
-            images = [self.decode_latents(padded[call]) for call in calls]
-        return self.pipe.image_processor.postprocess(torch.cat(images)[:batch_size], output_type="pt").float()
+            return stacked_in_one_buffer(batch_size, images())
 
     def decode_videos(self, latents: torch.Tensor, decode_one: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Videos `(B, C, F, H, W)` in [0, 1] (SGLang's layout) of `(B, *latent_shape)` latents, each
         decoded alone by `decode_one` (a `(1, *latent_shape)` latent to the VAE's frames in [-1, 1]),
         so a video's bits and the VAE's memory do not depend on the request."""
+
+        def videos():
+            for latent in latents.split(1):
+                # (1, F, C, H, W), as the pipelines return them.
+                video = self.pipe.video_processor.postprocess_video(decode_one(latent), output_type="pt")
+                yield video.permute(0, 2, 1, 3, 4)
+
         with torch.no_grad():
-            # (1, F, C, H, W) each, as the pipelines return them.
-            videos = [self.pipe.video_processor.postprocess_video(decode_one(latent), output_type="pt") for latent in latents.split(1)]
-        return torch.cat(videos).permute(0, 2, 1, 3, 4).float()
+            return stacked_in_one_buffer(len(latents), videos())
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """The VAE's images in [-1, 1] for latents `(n, *latent_shape)`."""
