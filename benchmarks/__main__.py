@@ -302,7 +302,7 @@ class Suite:
                     families, [], loads, rounds, calibrated=True, invariances=list(BatchInvariance),
                     pipeline_outputs=pipeline_outputs,
                 )  # fmt: skip
-                memory = throughput.peak_memory({"sd3": families["sd3"]}, **throughput.MEMORY_LOAD)
+                memory = throughput.peak_memory(families, **throughput.MEMORY_LOAD)
         finally:
             torch.set_num_threads(single_thread)
 
@@ -329,10 +329,11 @@ class Suite:
                     "<= 1.3 (stretch)",
                 ),
             ]
+        closest = max(memory, key=lambda row: row.rollout / row.target)
         self.targets.append(
             (
-                "peak memory, sd3, B=64, T=50, 256 px: rollout (target: 1.3 x latents kept + pipeline's peak)",
-                f"{memory[0].rollout / 1e6:.0f} MB (target {memory[0].target / 1e6:.0f} MB)",
+                "peak memory, B=64, T=50, 256 px: rollout (target: 1.3 x latents kept + pipeline's peak), family closest to its target",
+                f"{closest.family}: {closest.rollout / 1e6:.0f} MB (target {closest.target / 1e6:.0f} MB)",
                 "<= target",
             )
         )

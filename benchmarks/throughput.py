@@ -278,7 +278,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--micro-batch-sizes", type=int, nargs="*", default=[4], help="none: only the calibrated one")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 16], help="none (and no CFG ones): only --memory")
     parser.add_argument("--cfg-batch-sizes", type=int, nargs="*", default=[16], help="batch sizes also run with CFG")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--calibrate", action="store_true", help="also measure the size calibrate picks")
@@ -298,12 +298,14 @@ def main() -> None:
         families = build_families(Path(root), args.families)
         counts = parameter_counts(families)
         print(f"transformer parameters: {counts}")
-        cells, calibrations = measure(
-            families, args.micro_batch_sizes, loads, args.rounds, args.calibrate, args.batch_invariance, args.pipeline_output
-        )
-        lines = table(cells, loads)
-        if calibrations:
-            lines += ["", "Calibration (`rollout.calibration.calibrate`, with CFG):", "", *(f"- {c}" for c in calibrations)]
+        lines = []
+        if loads:
+            cells, calibrations = measure(
+                families, args.micro_batch_sizes, loads, args.rounds, args.calibrate, args.batch_invariance, args.pipeline_output
+            )
+            lines = table(cells, loads)
+            if calibrations:
+                lines += ["", "Calibration (`rollout.calibration.calibrate`, with CFG):", "", *(f"- {c}" for c in calibrations)]
         if args.memory:
             memory = peak_memory(families, **MEMORY_LOAD)
             lines += ["", *memory_table(memory, **MEMORY_LOAD)]
