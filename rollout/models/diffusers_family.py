@@ -66,17 +66,16 @@ def read_model_index(path: str | Path) -> dict[str, Any]:
 
 
 def stacked_in_one_buffer(rows: int, parts: Iterator[torch.Tensor]) -> torch.Tensor:
-    """The first `rows` rows of `parts` (consecutive; the last may run past `rows` with padding)
-    as one fp32 tensor, allocated with the first part and written part by part: a batch's images
-    are held once, not as a list of parts and then their concatenation, and a part's
-    postprocessing temporaries are freed before the next part is decoded."""
+    """`parts` (consecutive, `rows` rows in all) as one fp32 tensor, allocated with the first part
+    and written part by part: a batch's images are held once, not as a list of parts and then
+    their concatenation, and a part's postprocessing temporaries are freed before the next part is
+    decoded."""
     stacked, start = None, 0
     for part in parts:
         if stacked is None:
             stacked = torch.empty((rows, *part.shape[1:]), dtype=torch.float32, device=part.device)
-        kept = part[: rows - start]
-        stacked[start : start + len(kept)] = kept
-        start += len(kept)
+        stacked[start : start + len(part)] = part
+        start += len(part)
     return stacked
 
 
@@ -318,7 +317,8 @@ class DiffusersFamily:
         def images():
             for call in self.micro_batching.decode_calls(batch_size, height, width):
                 padded = zero_padded(latents[call], call.stop - call.start).to(self.vae.dtype)
-                yield self.pipe.image_processor.postprocess(self.decode_latents(padded), output_type="pt")
+                kept = self.decode_latents(padded)[: batch_size - call.start]  # the padding's images dropped
+                yield self.pipe.image_processor.postprocess(kept, output_type="pt")
 
         with torch.no_grad():
             return stacked_in_one_buffer(batch_size, images())
