@@ -65,7 +65,8 @@ class Calibration:
         chosen: the transformer's micro-batch size: with padding, the smallest candidate within the
             tolerance of the least time of the rollout less its decode for `load` samples, their
             padding to whole calls counted (`denoising_seconds_for_load`); under batch-invariant
-            kernels, the best time per sample.
+            kernels, the best time per sample. Either way, a size of whole samples' rows only (an
+            even one for a sample guided in one call).
         chosen_for_decode: the VAE's: the smallest candidate within the tolerance of the least
             decode time for `load` samples (with padding); None under batch-invariant kernels,
             which decode an image a call.

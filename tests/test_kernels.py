@@ -242,8 +242,12 @@ def test_the_device_check_holds_under_kernels_and_sees_what_they_are_for(family_
 
 def test_calibration_under_kernels_picks_the_best_time_per_sample(family_pipelines):
     calibration = calibrate(family_pipelines["sd3"], SIZE, SIZE, (1, 2, 4), GUIDED["sd3"], repeats=1)
+    # A guided SD3 sample takes two rows of a call: a size of 1 is timed (as calls of 2 rows) but
+    # is not a size of whole samples, so the best is among the even sizes.
     per_sample = calibration.denoising_seconds_per_sample
-    assert per_sample[calibration.chosen] == min(per_sample.values())
+    whole_samples = {rows: seconds for rows, seconds in per_sample.items() if rows % 2 == 0}
+    assert calibration.chosen in whole_samples
+    assert whole_samples[calibration.chosen] == min(whole_samples.values())
     assert calibration.chosen_for_decode is None  # the kernels decode an image a call
     assert family_pipelines["sd3"].micro_batching == kernels()  # each candidate's setting undone
 
