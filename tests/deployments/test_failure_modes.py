@@ -162,8 +162,9 @@ def test_a_client_that_goes_away_cancels_its_queued_work(one_worker, http):
         on_replicas(one_worker.name, "RolloutWorker", lambda worker: vars(worker.pipeline).pop("predict_velocity"))
 
 
-def test_a_stopping_server_answers_every_request_in_flight(serve_app):
-    app = deploy(serve_app, "stop-test", num_worker_replicas=1, max_batch_size=2)
+def test_a_stopping_server_answers_every_request_in_flight(one_worker):
+    """The module's last test on `one_worker`: it stops and deletes that application."""
+    app = one_worker
     long_request = {**request_body(4, samples=8), "prompt": ["4", "5"], "num_inference_steps": 50, "rollout_debug_mode": False}
     answers = []
     client = threading.Thread(target=lambda: answers.append(requests.post(f"{app.url}/rollout/generate", json=long_request)))
