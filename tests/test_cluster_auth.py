@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +33,7 @@ import requests
 import yaml
 from ray._common.utils import get_ray_address_file
 
+from tests.ports import free_ports
 from tests.test_cluster_config import CLUSTER_YAML, options, ray_start
 
 VENV_BIN = Path(sys.executable).parent
@@ -66,14 +67,6 @@ class Head:
     token: str
     process: subprocess.Popen
     log: Path
-
-
-def free_ports(count: int) -> list[int]:
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for held in sockets:
-            held.bind(("127.0.0.1", 0))  # all held open at once, so the ports differ
-        return [held.getsockname()[1] for held in sockets]
 
 
 def ray_environment(home: Path, **variables: str) -> dict[str, str]:

@@ -1,12 +1,11 @@
 """The test applications' configuration, and deploying an application of its own beside the
 session's (`conftest.py` deploys the session's one)."""
 
-import socket
 from types import SimpleNamespace
 
-from ray import serve
-
-from deployments.app import build_app
+from deployments.cli import run_app
+from deployments.config import RolloutAppConfig
+from tests.ports import free_port
 
 APP_NAME = "rollout-test"
 TEST_CONFIG = {
@@ -30,15 +29,10 @@ TEST_CONFIG = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def deploy(serve_app, name: str, **config) -> SimpleNamespace:
     """An application of its own beside the session's, with its probe port (`deployments/probes.py`)."""
     probe_port = free_port()
     config = {**TEST_CONFIG, **config, "app_name": name, "probe_port": probe_port}
-    handle = serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+    # As `make serve` deploys: one that fails to start names each deployment's exception.
+    handle = run_app(RolloutAppConfig.parse(config), route_prefix=f"/{name}")
     return SimpleNamespace(handle=handle, name=name, url=f"{serve_app[1]}/{name}", probe_url=f"http://127.0.0.1:{probe_port}")

@@ -15,7 +15,8 @@ from ray import serve  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from deployments.local_ray import start_local_ray  # noqa: E402
-from tests.deployments.apps import APP_NAME, TEST_CONFIG, deploy, free_port  # noqa: E402
+from tests.deployments.apps import APP_NAME, TEST_CONFIG, deploy  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")

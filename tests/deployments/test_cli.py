@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from deployments import cli
-from tests.deployments.apps import free_port
+from tests.ports import free_port
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 SERVE_CONFIG = REPOSITORY / "deployments/serve_config.yaml"

@@ -17,7 +17,8 @@ from deployments.cli import run_app
 from deployments.config import RolloutAppConfig
 from deployments.worker import RolloutWorker
 from rollout.models.registry import resolve_model
-from tests.deployments.apps import TEST_CONFIG, free_port
+from tests.deployments.apps import TEST_CONFIG
+from tests.ports import free_port
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 SERVE = Path(sys.executable).with_name("serve")

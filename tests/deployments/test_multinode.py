@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.deployments.apps import free_port
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scripts" / "multinode_check.py"

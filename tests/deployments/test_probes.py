@@ -7,7 +7,7 @@ import requests
 from starlette.responses import JSONResponse
 
 from deployments.probes import ProbePortError, ProbeServer
-from tests.deployments.apps import free_port
+from tests.ports import free_port
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from deployments.app import build_app
 from deployments.auth import BearerTokenMiddleware
 from deployments.config import AUTH_TOKEN_ENV, RolloutAppConfig
 from deployments.ingress import app as ingress_app
-from tests.deployments.apps import free_port
+from tests.ports import free_port
 
 UNIT_TOKEN = "s3cret-tök"
 
