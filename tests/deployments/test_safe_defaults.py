@@ -10,11 +10,10 @@ from pydantic import SecretStr, ValidationError
 from ray import serve
 from starlette.responses import PlainTextResponse
 
-from deployments.app import build_app
 from deployments.auth import BearerTokenMiddleware
 from deployments.config import AUTH_TOKEN_ENV, RolloutAppConfig
 from deployments.ingress import app as ingress_app
-from tests.ports import free_port
+from tests.deployments.apps import deploy
 
 UNIT_TOKEN = "s3cret-tök"
 
@@ -97,16 +96,17 @@ ROUTES = sorted(
 PROTECTED = [(method, path) for method, path in ROUTES if path != "/liveness"]
 
 
-PROBE_PORT = free_port()
+@pytest.fixture(scope="module")
+def auth_app(serve_app):
+    """An application that requires TOKEN, beside the session's (which requires none)."""
+    app = deploy(serve_app, AUTH_APP, auth_token=TOKEN, num_worker_replicas=1)
+    yield app
+    serve.delete(app.name)
 
 
 @pytest.fixture(scope="module")
-def auth_url(serve_app, app_config):
-    """The URL of an application that requires TOKEN, beside the session's (which requires none)."""
-    config = {**app_config, "app_name": AUTH_APP, "auth_token": TOKEN, "num_worker_replicas": 1, "probe_port": PROBE_PORT}
-    serve.run(build_app(config), name=AUTH_APP, route_prefix=f"/{AUTH_APP}")
-    yield f"{serve_app[1]}/{AUTH_APP}"
-    serve.delete(AUTH_APP)
+def auth_url(auth_app):
+    return auth_app.url
 
 
 def _send(http, auth_url, method, path, token=None):
@@ -135,8 +135,8 @@ def test_liveness_and_the_handle_need_no_token(http, auth_url, base_url):
     assert http.get(f"{base_url}/health", timeout=10).status_code == 200
 
 
-def test_the_probe_port_asks_for_the_same_token(http, auth_url):
-    probe_url = f"http://127.0.0.1:{PROBE_PORT}"
+def test_the_probe_port_asks_for_the_same_token(http, auth_app):
+    auth_url, probe_url = auth_app.url, auth_app.probe_url
     for path in ("/health", "/no-such-route"):
         for token, challenge in ((None, "Bearer"), (WRONG_TOKEN, 'Bearer error="invalid_token"')):
             refused = _send(http, probe_url, "GET", path, token)
