@@ -360,10 +360,10 @@ def _answers_200(url: str) -> bool:
         return False
 
 
-def _ctrl_c_row(label: str, command: list[str]) -> str:
+def _stop_row(label: str, command: list[str], stop: Callable[[subprocess.Popen], None]) -> str:
     bodies = [{**LIGHT, "prompt": str(i % 10), "num_outputs_per_prompt": 32, "seed": i} for i in range(8)]
     try:
-        answers, exit_s = stop_with_requests_in_flight(command, ctrl_c, bodies)
+        answers, exit_s = stop_with_requests_in_flight(command, stop, bodies)
     finally:  # Ray's processes of that cluster, whatever became of the command
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], env=env, capture_output=True)
@@ -405,17 +405,20 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     bin_dir = Path(sys.executable).parent
+    make_serve = [sys.executable, "-m", "deployments", "serve"]
     probe.add(
-        "Ctrl-C with requests in flight",
-        "8 requests of 32 light samples (about 10 s of sampling), then SIGINT to the command's process "
-        "group 3 s later, as a terminal's Ctrl-C.",
+        "Stopped with requests in flight",
+        "8 requests of 32 light samples (about 10 s of sampling), then, 3 s later, SIGINT to the command's "
+        "process group (a terminal's Ctrl-C) or SIGTERM to its main process (`docker stop`, Kubernetes).",
         "",
-        "| command | answers | seconds to exit |",
-        "|---|---|---|",
-        _ctrl_c_row("`make serve` (python -m deployments serve)", [sys.executable, "-m", "deployments", "serve"]),
-        _ctrl_c_row(
-            "`serve run --name rollout deployments.app:build_app`",
+        "| command | stopped by | answers | seconds to exit |",
+        "|---|---|---|---|",
+        _stop_row("`make serve` (python -m deployments serve) | Ctrl-C", make_serve, ctrl_c),
+        _stop_row("`make serve` (python -m deployments serve) | SIGTERM", make_serve, terminate),
+        _stop_row(
+            "`serve run --name rollout deployments.app:build_app` | Ctrl-C",
             [str(bin_dir / "serve"), "run", "--name", "rollout", "deployments.app:build_app"],
+            ctrl_c,
         ),
     )
     stolen, total = (after - before for after, before in zip(_stolen_and_total_ticks(), (stolen_before, total_before)))

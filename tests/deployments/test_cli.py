@@ -3,8 +3,13 @@ arguments, and what `info` and `health` print, with no Ray (the README test runs
 
 import http.server
 import json
+import os
+import signal
+import sys
 import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -96,6 +101,65 @@ class Answering(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+def test_sigterm_stops_serve_as_ctrl_c_does(monkeypatch, capsys):
+    """`docker stop` sends SIGTERM to the main process only: `serve` takes Ctrl-C's way out, so the
+    ingress answers what is in flight before the application and Ray go (README.md's test sends the
+    Ctrl-C to a served `make serve`; benchmarks.reliability times both signals on one)."""
+    import ray
+    from ray import serve
+
+    from deployments import local_ray
+
+    calls = []
+
+    def call(name):
+        return lambda *args, **kwargs: calls.append(name)
+
+    ingress = SimpleNamespace(
+        stop_serving=SimpleNamespace(remote=lambda: SimpleNamespace(result=call("ingress.stop_serving")))
+    )
+    monkeypatch.setattr(local_ray, "start_local_ray", call("start_local_ray"))
+    monkeypatch.setattr(serve, "start", call("serve.start"))
+    monkeypatch.setattr(cli, "run_app", lambda config: calls.append("run_app") or ingress)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="127.0.0.1:6379"))
+    for module, name in ((serve, "delete"), (serve, "shutdown"), (ray, "shutdown")):
+        monkeypatch.setattr(module, name, call(f"{module.__name__}.{name}"))
+    main_thread = threading.main_thread()
+
+    def terminate_once_serving():
+        # Only once `serve` waits with its handler in place: a SIGTERM without it would end pytest.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            waiting_in = sys._current_frames()[main_thread.ident].f_code.co_name
+            if signal.getsignal(signal.SIGTERM) is cli._stop_as_on_ctrl_c and waiting_in == "wait":
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    def give_up(signum, frame):
+        raise TimeoutError("serve did not wait with its SIGTERM handler installed within 30 s")
+
+    previous_handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGUSR1, give_up)
+    threading.Thread(target=terminate_once_serving, daemon=True).start()
+    try:
+        cli.serve(serve_arguments("--port", "8123"))
+    finally:
+        for number, handler in previous_handlers.items():
+            signal.signal(number, handler)
+    assert "serving application 'rollout'" in capsys.readouterr().out
+    assert calls == [
+        "start_local_ray",
+        "serve.start",
+        "run_app",
+        "ingress.stop_serving",
+        "ray.serve.delete",
+        "ray.serve.shutdown",
+        "ray.shutdown",
+    ]
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ a real local cluster, with the fault injected inside the worker replica."""
 
 import json
 import math
-import sys
 import threading
 import time
 from http.client import HTTPConnection
@@ -14,7 +13,6 @@ import ray
 import requests
 from ray import serve
 
-from benchmarks.reliability import stop_with_requests_in_flight, terminate
 from deployments.weights import ObjectStoreTensors
 from rollout.errors import NonFiniteOutputError, WeightUpdateError
 from rollout.models.registry import load_pipeline
@@ -179,20 +177,3 @@ def test_a_stopping_server_answers_every_request_in_flight(one_worker):
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
         assert "send it again" in response.json()["error"]["message"]
     assert len(answers) == 1
-
-
-def test_make_serve_answers_every_request_in_flight_when_terminated():
-    """`python -m deployments serve` (`make serve`) on a Ray cluster of its own, sent SIGTERM with
-    requests in flight, as `docker stop` does (tests/test_readme.py sends `make serve` a Ctrl-C)."""
-    long_request = {"prompt": ["1", "2"], "num_outputs_per_prompt": 16, "num_inference_steps": 40, "rollout_debug_mode": False}
-    answers, exit_s = stop_with_requests_in_flight(
-        [sys.executable, "-m", "deployments", "serve", "num_worker_replicas=1"],
-        terminate,
-        [{**long_request, "seed": seed} for seed in range(3)],
-    )
-    # Every request is answered: with its samples if they were done in time, else with a retryable 503.
-    statuses = [getattr(a, "status_code", a) for a in answers]
-    assert len(statuses) == 3 and set(statuses) <= {200, 503} and 503 in statuses, statuses
-    refused = [a for a in answers if a.status_code == 503]
-    assert all(a.headers["retry-after"] == "1" and "send it again" in a.json()["error"]["message"] for a in refused)
-    assert exit_s is not None  # it exited (how soon: benchmarks.reliability)
