@@ -15,7 +15,7 @@ from typing import Any
 import click
 import ray
 import torch
-from ray.serve import Application
+from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
@@ -94,10 +94,14 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
         ).bind(name, scorer.model_dump())
         for name, scorer in config.scorers.items()
     }
-    ingress = RolloutIngress.options(
+    return ingress_deployment(config).bind(worker, coordinator, config, scorers)
+
+
+def ingress_deployment(config: RolloutAppConfig) -> Deployment:
+    """The ingress with the options `config` sets, to bind to the workers, the coordinator and the scorers."""
+    return RolloutIngress.options(
         max_ongoing_requests=config.ingress_max_ongoing_requests,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
-        **drain,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_CHECK_PERIOD_S,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
     )
-    return ingress.bind(worker, coordinator, config, scorers)

@@ -3,6 +3,9 @@ session's (`conftest.py` deploys the session's one)."""
 
 from types import SimpleNamespace
 
+from ray import serve
+
+from deployments.app import ingress_deployment
 from deployments.cli import run_app
 from deployments.config import RolloutAppConfig
 from tests.ports import free_port
@@ -31,8 +34,28 @@ TEST_CONFIG = {
 
 def deploy(serve_app, name: str, **config) -> SimpleNamespace:
     """An application of its own beside the session's, with its probe port (`deployments/probes.py`)."""
-    probe_port = free_port()
-    config = {**TEST_CONFIG, **config, "app_name": name, "probe_port": probe_port}
+    config = _app_config(name, config)
     # As `make serve` deploys: one that fails to start names each deployment's exception.
-    handle = run_app(RolloutAppConfig.parse(config), route_prefix=f"/{name}")
-    return SimpleNamespace(handle=handle, name=name, url=f"{serve_app[1]}/{name}", probe_url=f"http://127.0.0.1:{probe_port}")
+    handle = run_app(config, route_prefix=f"/{name}")
+    return _deployed(serve_app, handle, config)
+
+
+def deploy_ingress(serve_app, name: str, **config) -> SimpleNamespace:
+    """An application of one ingress configured with `config`, in front of the session application's
+    workers and weight coordinator: for what the ingress alone decides (request validation), at the
+    cost of one replica where an application of its own starts three, each a process that imports
+    torch (and a worker diffusers: 10 s of CPU here). Not for `/health`, which reads the replicas of
+    its own application's workers."""
+    config = _app_config(name, config)
+    worker, coordinator = (serve.get_deployment_handle(deployment, APP_NAME) for deployment in ("RolloutWorker", "WeightCoordinator"))
+    handle = serve.run(ingress_deployment(config).bind(worker, coordinator, config), name=name, route_prefix=f"/{name}")
+    return _deployed(serve_app, handle, config)
+
+
+def _app_config(name: str, config: dict) -> RolloutAppConfig:
+    return RolloutAppConfig.parse({**TEST_CONFIG, **config, "app_name": name, "probe_port": free_port()})
+
+
+def _deployed(serve_app, handle, config: RolloutAppConfig) -> SimpleNamespace:
+    url = f"{serve_app[1]}/{config.app_name}"
+    return SimpleNamespace(handle=handle, name=config.app_name, url=url, probe_url=config.probe_url)

@@ -18,7 +18,8 @@ import torch
 from ray import serve
 from safetensors.torch import load as load_safetensors
 
-from deployments.app import build_app
+from tests.deployments.apps import deploy_ingress
+
 
 # miles' `build_rollout_sampling_params` + `build_rollout_generate_payload` with its defaults:
 # the exact body its rollout loop posts for one group of 4 samples.
@@ -374,12 +375,11 @@ def test_better_than_sglang_where_sglang_fails(http, base_url, accept):
 
 
 @pytest.fixture(scope="module")
-def lenient_url(serve_app, app_config):
-    """A second, small application configured for SGLang's lenient request validation."""
-    config = {**app_config, "app_name": "rollout-sglang-mode", "num_worker_replicas": 1, "request_validation": "sglang"}
-    serve.run(build_app(config), name=config["app_name"], route_prefix="/sglang-mode")
-    yield f"{serve_app[1]}/sglang-mode"
-    serve.delete(config["app_name"])
+def lenient_url(serve_app):
+    """An ingress configured for SGLang's lenient request validation, before the session's workers."""
+    app = deploy_ingress(serve_app, "sglang-mode", request_validation="sglang")
+    yield app.url
+    serve.delete(app.name)
 
 
 def test_sglang_mode_ignores_unknown_fields_and_coerces(http, lenient_url):
