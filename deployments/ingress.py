@@ -52,7 +52,7 @@ class RolloutIngress(*CONCERNS):
         self.bodies = BodyReader(config)
         self.started = int(time.time())
         self.dispatcher = Dispatcher(ServeWorkers(worker), config, outstanding_samples, ServeScorers(scorers or {}))
-        self.worker_status = health.WorkerStatus(asyncio.get_running_loop())
+        self.worker_status = health.WorkerStatus(asyncio.get_running_loop(), worker)
         self._probes = None if config.probe_port is None else ProbeServer(config.probe_host, config.probe_port, self.probe)
         # `serve run config.yaml` says nothing after "Submitted deploy config successfully.": this is
         # the line in its terminal that says what is served (Serve prints replicas' logs there).

@@ -17,6 +17,7 @@ import time
 
 from fastapi.responses import JSONResponse, Response
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ReplicaState
 
 from deployments.auth import bearer_refusal
@@ -39,7 +40,9 @@ class WorkerStatus:
     which wakes the loop only when the status is stale.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, workers: DeploymentHandle):
+        # Read from the handle: the deployment that the ingress sends its work to.
+        self._workers = (workers.app_name, workers.deployment_name)
         self.running: int | None = None
         self.not_running: dict[str, int] = {}
         self._loop = loop
@@ -71,7 +74,8 @@ class WorkerStatus:
         except Exception:
             logger.exception("could not read the application's status")
             return
-        workers = status.applications[serve.get_replica_context().app_name].deployments["RolloutWorker"]
+        app_name, deployment_name = self._workers
+        workers = status.applications[app_name].deployments[deployment_name]
         self.running = workers.replica_states.get(ReplicaState.RUNNING, 0)
         self.not_running = {
             ReplicaState(state).value: count

@@ -42,10 +42,9 @@ def deploy(serve_app, name: str, **config) -> SimpleNamespace:
 
 def deploy_ingress(serve_app, name: str, **config) -> SimpleNamespace:
     """An application of one ingress configured with `config`, in front of the session application's
-    workers and weight coordinator: for what the ingress alone decides (request validation), at the
-    cost of one replica where an application of its own starts three, each a process that imports
-    torch (and a worker diffusers: 10 s of CPU here). Not for `/health`, which reads the replicas of
-    its own application's workers."""
+    workers and weight coordinator: for what the ingress alone decides (admission, validation), at
+    the cost of one replica where an application of its own starts three, each a process that
+    imports torch (and a worker diffusers: 10 s of CPU here)."""
     config = _app_config(name, config)
     worker, coordinator = (serve.get_deployment_handle(deployment, APP_NAME) for deployment in ("RolloutWorker", "WeightCoordinator"))
     handle = serve.run(ingress_deployment(config).bind(worker, coordinator, config), name=name, route_prefix=f"/{name}")

@@ -1,6 +1,7 @@
 """Replica deaths and overload on a real local cluster: no request fails or hangs, no sample changes.
 
-Each test group has an application of its own (these tests kill its replicas or fill its queue).
+The replica deaths have an application of their own (they kill its replicas); the overload, an
+ingress of its own in front of the session's workers (it fills that ingress's queue).
 """
 
 import os
@@ -16,7 +17,7 @@ from ray import serve
 from deployments.dispatch import OverloadedError, RolloutResult, WorkerLostError
 from rollout.codec import from_msgpack
 from rollout.plan import DeadlineExceededError
-from tests.deployments.apps import deploy
+from tests.deployments.apps import deploy, deploy_ingress
 from tests.deployments.replicas import pids, request_body
 
 pytestmark = pytest.mark.faults
@@ -92,7 +93,7 @@ def test_a_request_past_its_deadline_is_dropped_and_answered_504(app, http):
 
 @pytest.fixture(scope="module")
 def small_queue(serve_app):
-    app = deploy(serve_app, "overload-test", num_worker_replicas=1, max_queued_samples=8)
+    app = deploy_ingress(serve_app, "overload-test", max_queued_samples=8)
     yield app
     serve.delete(app.name)
 
