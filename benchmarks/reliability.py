@@ -7,8 +7,8 @@ bad inputs by kind and how each was answered; a burst of 200 requests of 32 samp
 shed, p99 latency of the admitted ones, of `/health` on Serve's port and on the probe port, and of
 the HTTP proxy's own health route meanwhile, and the CPU the proxy and the ingress spent); a worker replica killed with SIGKILL
 during 60 s of load (requests lost, hung, and samples that differ from an undisturbed run); the
-ingress's memory before and after 500 requests and after the largest bad inputs; and Ctrl-C with
-requests in flight, for `make serve` and for plain `serve run`. The tests in tests/deployments
+ingress's memory before and after 500 requests and after the largest bad inputs; and a stop with
+requests in flight: Ctrl-C and SIGTERM for `make serve`, Ctrl-C for plain `serve run`. The tests in tests/deployments
 (test_faults.py, test_failure_modes.py, test_bounded_validation_http.py) assert the same
 behaviours on smaller loads, without timing them.
 """
@@ -20,6 +20,7 @@ import datetime
 import json
 import multiprocessing
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -36,6 +37,7 @@ import ray
 import requests
 from ray import serve
 
+from benchmarks.hostile import SECTION as HOSTILE_SECTION
 from deployments.app import build_app
 from rollout.codec import from_msgpack
 
@@ -430,7 +432,11 @@ def main() -> None:
         "application (`build_app()`: 2 worker replicas, batches of 32, queue of 256 samples) with a probe port. The hypervisor "
         f"took {100 * stolen / total:.0f}% of this machine's CPU time during the run (steal time, /proc/stat).",
     ]
-    args.output.write_text("\n".join(head + probe.lines) + "\n")
+    # benchmarks.hostile writes the sections from its own on, from another run: they stay.
+    text = args.output.read_text() if args.output.exists() else ""
+    hostile = re.search(rf"^{re.escape(HOSTILE_SECTION)}$", text, flags=re.MULTILINE)
+    kept = ["", text[hostile.start() :].rstrip("\n")] if hostile else []
+    args.output.write_text("\n".join(head + probe.lines + kept) + "\n")
 
 
 if __name__ == "__main__":
