@@ -15,8 +15,9 @@ from typing import Any
 import click
 import ray
 import torch
-from ray.serve import Application, Deployment
+from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import LoggingConfig
 
 from deployments.config import AppConfigError, RolloutAppConfig
@@ -29,6 +30,7 @@ from deployments.worker import RolloutWorker
 # Serve checks a stopping replica for requests in flight every 2 s by default, and stops the three
 # deployments one after the other, so each took at least 2 s of a Ctrl-C's wait.
 SHUTDOWN_CHECK_PERIOD_S = 0.2
+DRAIN = {"graceful_shutdown_wait_loop_s": SHUTDOWN_CHECK_PERIOD_S}
 # The coordinator's requests in flight at shutdown are the workers' 10 s long polls, which nobody
 # waits for once the application stops; Serve's default drain kept `serve run` up 10 s longer.
 COORDINATOR_SHUTDOWN_TIMEOUT_S = 0.2
@@ -62,9 +64,8 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
         config = RolloutAppConfig.parse(args)
     except AppConfigError as error:
         raise BuildAppError(error) from None
-    drain = {"graceful_shutdown_wait_loop_s": SHUTDOWN_CHECK_PERIOD_S}
     coordinator = WeightCoordinator.options(
-        graceful_shutdown_timeout_s=COORDINATOR_SHUTDOWN_TIMEOUT_S, **drain
+        graceful_shutdown_timeout_s=COORDINATOR_SHUTDOWN_TIMEOUT_S, **DRAIN
     ).bind(config.weight_version, config.allowed_weight_paths, config.weight_update_timeout_s)
     worker = RolloutWorker.options(
         num_replicas=config.num_worker_replicas,
@@ -78,9 +79,17 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
         # in all before it marks the application DEPLOY_FAILED (ray/serve/_private/deployment_state.py):
         # one try per replica, as a model that cannot load fails every replica alike, after loading.
         max_constructor_retry_count=config.num_worker_replicas,
-        **drain,
+        **DRAIN,
         ray_actor_options={"num_cpus": config.worker_num_cpus, "num_gpus": _worker_gpus(config)},
     ).bind(config, coordinator)
+    return ingress_app(config, worker, coordinator)
+
+
+def ingress_app(
+    config: RolloutAppConfig, worker: Application | DeploymentHandle, coordinator: Application | DeploymentHandle
+) -> Application:
+    """The ingress and the scorers `config` names, in front of `worker` and `coordinator`: the bound
+    deployments of the same application, or handles to another's (the tests' `deploy_ingress`)."""
     scorers = {
         name: ScorerReplica.options(
             name=f"Scorer-{name}",
@@ -89,19 +98,14 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
             max_ongoing_requests=config.ingress_max_ongoing_requests,
             graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
             logging_config=NO_ACCESS_LOG,
-            **drain,
+            **DRAIN,
             ray_actor_options={"num_cpus": scorer.num_cpus, "num_gpus": scorer.num_gpus},
         ).bind(name, scorer.model_dump())
         for name, scorer in config.scorers.items()
     }
-    return ingress_deployment(config).bind(worker, coordinator, config, scorers)
-
-
-def ingress_deployment(config: RolloutAppConfig) -> Deployment:
-    """The ingress with the options `config` sets, to bind to the workers, the coordinator and the scorers."""
     return RolloutIngress.options(
         max_ongoing_requests=config.ingress_max_ongoing_requests,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
-        graceful_shutdown_wait_loop_s=SHUTDOWN_CHECK_PERIOD_S,
+        **DRAIN,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
-    )
+    ).bind(worker, coordinator, config, scorers)

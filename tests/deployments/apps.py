@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from ray import serve
 
-from deployments.app import ingress_deployment
+from deployments.app import ingress_app
 from deployments.cli import run_app
 from deployments.config import RolloutAppConfig
 from tests.ports import free_port
@@ -41,13 +41,13 @@ def deploy(serve_app, name: str, **config) -> SimpleNamespace:
 
 
 def deploy_ingress(serve_app, name: str, **config) -> SimpleNamespace:
-    """An application of one ingress configured with `config`, in front of the session application's
-    workers and weight coordinator: for what the ingress alone decides (admission, validation), at
-    the cost of one replica where an application of its own starts three, each a process that
-    imports torch (and a worker diffusers: 10 s of CPU here)."""
+    """An application of an ingress configured with `config` (and the scorers it names), in front of
+    the session application's workers and weight coordinator: for what the ingress and scorers
+    alone decide (admission, validation, rewards), without the worker and coordinator replicas of
+    an application of its own (processes that import torch, and a worker diffusers: 15 s of CPU here)."""
     config = _app_config(name, config)
     worker, coordinator = (serve.get_deployment_handle(deployment, APP_NAME) for deployment in ("RolloutWorker", "WeightCoordinator"))
-    handle = serve.run(ingress_deployment(config).bind(worker, coordinator, config), name=name, route_prefix=f"/{name}")
+    handle = serve.run(ingress_app(config, worker, coordinator), name=name, route_prefix=f"/{name}")
     return _deployed(serve_app, handle, config)
 
 

@@ -14,7 +14,7 @@ from ray import serve
 from rollout.advantages import group_advantages
 from rollout.scorers.base import ScoringSample
 from rollout.scorers.registry import build_scorer
-from tests.deployments.apps import deploy
+from tests.deployments.apps import deploy_ingress
 from tests.deployments.replicas import on_replicas
 from tests.deployments.test_http import post
 
@@ -37,7 +37,7 @@ BODY = {
 
 @pytest.fixture(scope="module")
 def rewards_app(serve_app):
-    app = deploy(serve_app, "rewards-test", num_worker_replicas=1, scorers=SCORERS)
+    app = deploy_ingress(serve_app, "rewards-test", scorers=SCORERS)
     yield app
     serve.delete(app.name)
 
