@@ -362,7 +362,7 @@ def _answers_200(url: str) -> bool:
         return False
 
 
-def _stop_row(label: str, command: list[str], stop: Callable[[subprocess.Popen], None]) -> str:
+def _stop_row(label: str, stopped_by: str, command: list[str], stop: Callable[[subprocess.Popen], None]) -> str:
     bodies = [{**LIGHT, "prompt": str(i % 10), "num_outputs_per_prompt": 32, "seed": i} for i in range(8)]
     try:
         answers, exit_s = stop_with_requests_in_flight(command, stop, bodies)
@@ -378,7 +378,7 @@ def _stop_row(label: str, command: list[str], stop: Callable[[subprocess.Popen],
         return f"{answer.status_code} ({'JSON' if answer.headers.get('content-type') == 'application/json' else 'text'})"
 
     exit_text = "not within 60 s" if exit_s is None else f"{exit_s:.1f}"
-    return f"| {label} | {dict(sorted(Counter(map(kind, answers)).items()))} | {exit_text} |"
+    return f"| {label} | {stopped_by} | {dict(sorted(Counter(map(kind, answers)).items()))} | {exit_text} |"
 
 
 def main() -> None:
@@ -415,10 +415,11 @@ def main() -> None:
         "",
         "| command | stopped by | answers | seconds to exit |",
         "|---|---|---|---|",
-        _stop_row("`make serve` (python -m deployments serve) | Ctrl-C", make_serve, ctrl_c),
-        _stop_row("`make serve` (python -m deployments serve) | SIGTERM", make_serve, terminate),
+        _stop_row("`make serve` (python -m deployments serve)", "Ctrl-C", make_serve, ctrl_c),
+        _stop_row("`make serve` (python -m deployments serve)", "SIGTERM", make_serve, terminate),
         _stop_row(
-            "`serve run --name rollout deployments.app:build_app` | Ctrl-C",
+            "`serve run --name rollout deployments.app:build_app`",
+            "Ctrl-C",
             [str(bin_dir / "serve"), "run", "--name", "rollout", "deployments.app:build_app"],
             ctrl_c,
         ),
