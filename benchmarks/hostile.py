@@ -51,7 +51,8 @@ STALLED_CLIENTS_NOTE = (
     " (127.0.0.2) or from 300 (127.0.1.x), while `/liveness` is polled and a generate sent from "
     "127.0.0.1. After, the ingress holds at most `max_unfinished_bodies_per_client` (32) of them from one"
     " address and `max_unfinished_bodies` (128) in all: a newcomer beyond that is refused (503), or takes"
-    " the place of the oldest once that has waited a second (408), and those held are answered 408 at "
+    " the place of the oldest once that has waited a second (which is answered 503 with Retry-After), and"
+    " those held are answered 408 at "
     "`body_timeout_s` (30 s). RSS is the peak during the probe less the figure before it: of the ingress "
     "for bodies, of the coordinator and both workers for the sparse file."
 )

@@ -71,7 +71,7 @@ class _Receiving:
     client: str
     started: float
     deadline: asyncio.Timeout
-    overtaken: bool = False  # ended early, to make room for a body that came after it
+    overtaken_by: str = ""  # the limit it was ended early under, to make room for a body that came after it
 
 
 class BodyReader:
@@ -79,10 +79,12 @@ class BodyReader:
 
     When as many are being received as the app config allows (in all, or from the new body's
     client), the new body is let in if the oldest of those has been on its way `SLOW_BODY_S` or
-    more: that one is answered `408` now instead of at its deadline. So slow clients, however
-    many and from however many addresses, hold at most the allowed number of the ingress's slots
-    and never keep a prompt client out; only when every body being received is recent is the new
-    one refused (`503`).
+    more: that one is answered `503` with Retry-After now instead of `408` at its deadline. So
+    slow clients, however many and from however many addresses, hold at most the allowed number
+    of the ingress's slots and never keep a prompt client out; only when every body being
+    received is recent is the new one refused (`503`). The body ended early is answered as a
+    refusal to send again, not as a client's timeout: under a burst from one trainer host, the
+    body that waited a second may be waiting on this busy ingress, not on its client.
     """
 
     def __init__(self, config: RolloutAppConfig):
@@ -107,10 +109,12 @@ class BodyReader:
             async with deadline:
                 body = await _received(http_request, limit, too_large)
         except TimeoutError:
-            if receiving.overtaken:
-                reason = "not received in time: it was the slowest of the bodies being received when others came"
-            else:
-                reason = f"not received within {timeout} s ({kind.timeout_field} in the app config)"
+            if receiving.overtaken_by:
+                raise TooManyBodiesError(
+                    f"body: {receiving.overtaken_by}, and this one, the slowest, was ended to make room for a "
+                    "newer one; send it again"
+                ) from None
+            reason = f"not received within {timeout} s ({kind.timeout_field} in the app config)"
             raise BodyTimeoutError("body", reason) from None
         finally:
             if receiving in self._receiving:
@@ -140,7 +144,7 @@ class BodyReader:
         oldest = min(bodies, key=lambda body: body.started)
         if now - oldest.started < SLOW_BODY_S:
             raise TooManyBodiesError(f"body: {limit}, none of them for {SLOW_BODY_S} s yet; send it again later")
-        oldest.overtaken = True
+        oldest.overtaken_by = limit
         oldest.deadline.reschedule(now)  # its task raises TimeoutError at its next await
         self._receiving.remove(oldest)
 
