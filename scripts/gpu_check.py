@@ -13,7 +13,8 @@ trains (SD3.5-Medium: CFG 4.5; FLUX.1-dev: its embedded guidance 3.5):
   not with the samples);
 - the largest |log-prob difference| between the rollout and its replay, in bf16;
 - the largest |difference| of final latents between the rollout's ODE path (fp32 latents) and
-  `pipeline(..., output_type="latent")` (latents re-cast to bf16 every step);
+  `pipeline(..., output_type="latent")` (latents re-cast to bf16 every step), and between the two
+  with the same weights cast to fp32 (two samples);
 - the micro-batch calibration (`rollout.calibration`: time per sample of a rollout and of its
   decode at each candidate size, and of a batch of 16, its padding counted), and
   with the transformer's and the VAE's sizes it picks for 16, samples/s of the rollout and of `pipeline(...)` at 1, 8, 16 and 64
@@ -26,8 +27,16 @@ And Wan2.1-T2V-1.3B (`--families wan`): two videos of 480x832, 33 frames, 10 ste
 transformer call, against `pipeline(...)` with the rollout's Euler scheduler; peak memory; the
 bf16 replay difference.
 
-    python scripts/gpu_check.py --families sd3 flux wan --out docs/gpu_check.json
+    python scripts/gpu_check.py --families sd3 flux wan --budget-s 500 --out docs/gpu_check.json
     python scripts/gpu_check.py --tiny     # the same code on the tiny copies, on the CPU (tested)
+
+A session is lent the device machine for 15 minutes in all, so `--budget-s` bounds the run: each
+family gets a share of the time left, sections are timed against an estimate from the family's
+own group rollout, and one that would overrun is skipped and named under `skipped` (in the order
+they run: the group with its replay and ODE checks, the calibration, the kernels' bit check, the
+batch sizes with padding, then with the kernels, the fp32 path). `--sections` runs some of them,
+`--calibrated` takes the sizes an earlier run picked. A family that fails is recorded with its
+error, the run goes on to the next, and the script exits 1.
 
 On the device machine, which has torch, transformers and peft but not diffusers: carry diffusers
 as a wheel (`docs/real_models.md` gives the commands).
@@ -41,6 +50,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -61,7 +71,8 @@ from rollout.transitions import TransitionKind  # noqa: E402
 
 GROUP = 8
 BATCH_SIZES = (1, 8, 16, 64)
-# Up to an RL group of 16: a larger call only pads such a group, and each candidate costs a rollout of 16.
+# Up to an RL group of 16 (in rows: a guided SD3.5 sample takes two, so 32 is added for it): a
+# larger call only pads such a group, and each candidate costs a rollout of the largest.
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
 PROMPT = "a photo of a corgi wearing a red scarf, sitting on a wooden bench in a park"
 
@@ -164,6 +175,38 @@ FAMILIES = {
     "flux": (FluxFamily, flux1_dev, {"guidance_scale": 3.5}),
 }
 VIDEO_FAMILIES = {"wan": (WanFamily, wan21_t2v_1_3b, {"guidance_scale": 5.0})}
+# A family's share of the budget left: FLUX.1-dev's transformer is 5x SD3.5-Medium's (which runs
+# two rows a sample for CFG), and Wan's part is two videos timed, with no calibration or batch sizes.
+BUDGET_WEIGHTS = {"sd3": 1.0, "flux": 1.6, "wan": 0.6}
+# What a calibration rollout sample costs against one of the group's (2 steps instead of 10, the
+# decode, calls of 1 sample among the candidates), and a sample under batch-invariant kernels
+# against one under padding: guesses on the safe side, for the estimates only.
+CALIBRATION_SAMPLE_COST = 0.5
+KERNELS_SAMPLE_COST = 2.0
+# Less than this left for a family: building its models and one group would not fit.
+MIN_FAMILY_SECONDS = 60
+SECTIONS = ("group", "calibration", "kernels", "batch-sizes", "fp32-path")
+# Samples of the fp32 comparison: a call of two, as the pipeline makes it.
+FP32_PATH_SAMPLES = 2
+
+
+class Budget:
+    """Wall time left for a part of the run; `None` seconds: no limit (the tiny copies)."""
+
+    def __init__(self, seconds: float | None):
+        self.deadline = None if seconds is None else time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
+
+    def share(self, fraction: float) -> "Budget":
+        share = Budget(None)
+        if self.deadline is not None:
+            share.deadline = time.perf_counter() + fraction * self.left()
+        return share
+
+    def allows(self, estimated_seconds: float) -> bool:
+        return estimated_seconds <= self.left()
 
 
 @contextlib.contextmanager
@@ -194,8 +237,12 @@ def measured(device: str, fn):
 
 
 def check_family(
-    name: str, tiny_dir: Path, tiny: bool, device: str, size: int, steps: int, candidates: tuple, batch_sizes: tuple
+    name: str, tiny_dir: Path, tiny: bool, device: str, size: int, steps: int, candidates: tuple, batch_sizes: tuple,
+    budget: Budget, sections: tuple[str, ...] = SECTIONS, calibrated: dict | None = None,
 ) -> dict:
+    """The family's findings from the `sections` asked for; without the calibration, the batch
+    sizes run in calls of the sizes `calibrated` (an earlier run's findings for the family) chose,
+    or of the group."""
     family_class, build_real, guidance = FAMILIES[name]
     dtype = torch.bfloat16
     tiny_family = family_class.from_pretrained(tiny_dir, torch_dtype=dtype, device=device)
@@ -211,10 +258,14 @@ def check_family(
     parameters = sum(p.numel() for p in family.transformer.parameters())
 
     options = SamplingOptions(num_inference_steps=steps, height=size, width=size, **guidance)
-    # The group in one transformer call, as the pipeline makes it (two rows a guided sample where
-    # guidance runs in one call).
-    family.micro_batching = MicroBatching(GROUP * rows_per_sample(family, resolve_options(family, options)))
-    seeds = list(range(GROUP))
+    # The group in one transformer call and one VAE call, as the pipeline makes them (two rows a
+    # guided sample where guidance runs in one call). The VAE's size left to its default, the
+    # transformer's rows, SD3.5's group of 8 decoded in a call of 16 images on the H200: 4 GB more
+    # peak memory than the pipeline's (docs/real_models.md).
+    rows = rows_per_sample(family, resolve_options(family, options))
+    family.micro_batching = MicroBatching(GROUP * rows, decode_default=GROUP)
+    # Up to a group of 16 samples in one call, in rows.
+    candidates = tuple(sorted({*candidates, max(candidates) * rows}))
 
     def rollout(samples: int = GROUP):
         return sample(family, [PROMPT] * samples, list(range(samples)), options)
@@ -227,30 +278,59 @@ def check_family(
                 **guidance,
             ).images  # fmt: skip
 
-    rollout()  # warm-up: kernels, allocator, cuDNN autotuning
-    plain_pipeline()
-    runs = {"rollout": [], "pipeline": []}
-    for _ in range(2):  # interleaved, so that drift hits both alike
-        batch, seconds, rollout_peak = measured(device, rollout)
-        runs["rollout"].append(seconds)
-        _, seconds, pipeline_peak = measured(device, plain_pipeline)
-        runs["pipeline"].append(seconds)
-    _, _, rollout_peak_16 = measured(device, lambda: rollout(2 * GROUP))
-
-    replayed = replay_log_probs(family, batch.schedule, batch.options, batch.samples)
     ode_options = SamplingOptions(num_inference_steps=steps, height=size, width=size, sde_type=TransitionKind.ODE, **guidance)
-    ode_latents = torch.stack([s.final_latents for s in sample(family, [PROMPT] * GROUP, seeds, ode_options).samples])
-    pipeline_latents = plain_pipeline("latent").float().cpu()
-    if pipeline_latents.ndim == 3:  # packed tokens
-        pipeline_latents = family.unpack(pipeline_latents, size // 8, size // 8)
-    rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
-    rollout_rate = GROUP / min(runs["rollout"])
-    pipeline_rate = GROUP / min(runs["pipeline"])
 
-    def throughput_by_batch_size() -> dict:
+    def ode_distance(samples: int) -> tuple[float, float]:
+        """Max |difference| of final latents between the rollout's ODE path and the pipeline's
+        `output_type="latent"`, and the latents' max |value|."""
+        ode = sample(family, [PROMPT] * samples, list(range(samples)), ode_options).samples
+        pipeline_latents = plain_pipeline("latent", samples).float().cpu()
+        if pipeline_latents.ndim == 3:  # packed tokens
+            pipeline_latents = family.unpack(pipeline_latents, size // 8, size // 8)
+        difference = (torch.stack([s.final_latents for s in ode]) - pipeline_latents).abs().max().item()
+        return difference, pipeline_latents.abs().max().item()
+
+    # Warm-up (kernels, allocator, cuDNN autotuning), and the estimate each later section is
+    # weighed by against the budget: what one sample costs the slower path.
+    warm_up = {"rollout": measured(device, rollout)[1], "pipeline": measured(device, plain_pipeline)[1]}
+    seconds_per_sample = max(warm_up.values()) / GROUP
+    skipped, findings = [], {}
+    if "group" in sections:
+        runs = {"rollout": [], "pipeline": []}
+        for _ in range(2):  # interleaved, so that drift hits both alike
+            batch, seconds, rollout_peak = measured(device, rollout)
+            runs["rollout"].append(seconds)
+            _, seconds, pipeline_peak = measured(device, plain_pipeline)
+            runs["pipeline"].append(seconds)
+        _, _, rollout_peak_16 = measured(device, lambda: rollout(2 * GROUP))
+        replayed = replay_log_probs(family, batch.schedule, batch.options, batch.samples)
+        rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
+        rates = {which: GROUP / min(seconds) for which, seconds in runs.items()}
+        ode_difference, latent_abs_max = ode_distance(GROUP)
+        findings = {
+            "rollout_samples_per_s": rates["rollout"],
+            "pipeline_samples_per_s": rates["pipeline"],
+            "rollout_over_pipeline": rates["rollout"] / rates["pipeline"],
+            "rollout_seconds": runs["rollout"],
+            "pipeline_seconds": runs["pipeline"],
+            "rollout_peak_memory_mb": rollout_peak,
+            "rollout_peak_memory_mb_16_samples": rollout_peak_16,
+            "pipeline_peak_memory_mb": pipeline_peak,
+            "replay_max_abs_dlogp": (replayed.log_probs - rollout_log_probs).abs().max().item(),
+            "log_probs_finite": bool(torch.isfinite(rollout_log_probs).all()),
+            "ode_vs_pipeline_max_abs_latent_diff": ode_difference,
+            "latent_abs_max": latent_abs_max,
+        }
+        seconds_per_sample = max(min(seconds) for seconds in runs.values()) / GROUP
+
+    def throughput_by_batch_size(cost: float = 1.0) -> dict:
+        """Two interleaved rounds at each batch size, the faster counts (the process is warm from
+        the group's runs, so the first round is the warm-up at a new size)."""
         throughput = {}
         for samples in batch_sizes:
-            rollout(samples)  # warm-up at this batch size
+            if not budget.allows(4 * samples * seconds_per_sample * cost):
+                skipped.append(f"batch size {samples} and larger" + (" (kernels)" if cost != 1.0 else ""))
+                break
             seconds = {"rollout": [], "pipeline": []}
             for _ in range(2):
                 seconds["rollout"].append(measured(device, lambda n=samples: rollout(n))[1])
@@ -261,22 +341,56 @@ def check_family(
                 "pipeline_samples_per_s": rates["pipeline"],
                 "rollout_over_pipeline": rates["rollout"] / rates["pipeline"],
             }
+            print(f"{name}: {family.micro_batching.invariance.value}, batch size {samples}: {throughput[samples]}", flush=True)
         return throughput
 
-    calibration = calibrate(family, size, size, candidates, guidance, repeats=2)
-    family.micro_batching = MicroBatching(calibration.chosen, decode_default=calibration.chosen_for_decode)
-    throughput = throughput_by_batch_size()
+    calibration_samples = 2 * len(candidates) * max(candidates)  # a warm-up and one round each
+    calibration = None
+    if "calibration" not in sections:
+        if calibrated:
+            family.micro_batching = MicroBatching(calibrated["micro_batch_chosen"], decode_default=calibrated["decode_batch_chosen"])
+    elif budget.allows(calibration_samples * seconds_per_sample * CALIBRATION_SAMPLE_COST):
+        calibration = calibrate(family, size, size, candidates, guidance, repeats=1)
+        family.micro_batching = MicroBatching(calibration.chosen, decode_default=calibration.chosen_for_decode)
+        print(f"{name}: calibration picked {calibration.chosen} rows, {calibration.chosen_for_decode} images", flush=True)
+    else:
+        skipped.append("calibration (the batch sizes run in calls of the group)")
+    padding = family.micro_batching
     # Batch-invariant kernels (rollout/kernels.py): do they keep a sample's bits on this device, and
-    # what do they cost against padding? Measured only where they hold.
-    family.micro_batching = MicroBatching(calibration.chosen, invariance=BatchInvariance.KERNELS)
-    invariance = check_batch_invariance(family, size, size, guidance)
-    kernels = {"velocity_difference": invariance.velocity_difference, "image_difference": invariance.image_difference}
-    if invariance.holds:
-        kernels_batch = rollout()
-        kernels_replay = replay_log_probs(family, kernels_batch.schedule, kernels_batch.options, kernels_batch.samples)
-        kernels_log_probs = torch.stack([s.log_probs for s in kernels_batch.samples])
-        kernels["replay_max_abs_dlogp"] = (kernels_replay.log_probs - kernels_log_probs).abs().max().item()
-        kernels["throughput_by_batch_size"] = throughput_by_batch_size()
+    # what do they cost against padding? Checked before the batch sizes (a correctness finding is
+    # worth more than the largest batch), measured after them, and only where they hold.
+    kernels_mode = MicroBatching(padding.default, invariance=BatchInvariance.KERNELS)
+    kernels = {}
+    if "kernels" not in sections:
+        pass
+    elif budget.allows(3 * GROUP * seconds_per_sample * KERNELS_SAMPLE_COST):
+        family.micro_batching = kernels_mode
+        invariance = check_batch_invariance(family, size, size, guidance)
+        kernels = {"velocity_difference": invariance.velocity_difference, "image_difference": invariance.image_difference}
+        if invariance.holds:
+            kernels_batch = rollout()
+            kernels_replay = replay_log_probs(family, kernels_batch.schedule, kernels_batch.options, kernels_batch.samples)
+            kernels_log_probs = torch.stack([s.log_probs for s in kernels_batch.samples])
+            kernels["replay_max_abs_dlogp"] = (kernels_replay.log_probs - kernels_log_probs).abs().max().item()
+        print(f"{name}: batch-invariant kernels: {kernels}", flush=True)
+        family.micro_batching = padding
+    else:
+        skipped.append("batch-invariant kernels")
+    throughput = throughput_by_batch_size() if "batch-sizes" in sections else {}
+    if "replay_max_abs_dlogp" in kernels and "batch-sizes" in sections:
+        family.micro_batching = kernels_mode
+        kernels["throughput_by_batch_size"] = throughput_by_batch_size(KERNELS_SAMPLE_COST)
+    if "fp32-path" in sections:
+        # The same weights in fp32, where the ODE path and `pipeline(...)` compute the same thing
+        # (bit for bit on the tiny copies on the CPU): what separates them in bf16 is the
+        # pipeline's bf16 latents, not another path. Last: the cast doubles the weights' memory.
+        if budget.allows(2 * FP32_PATH_SAMPLES * seconds_per_sample * 4):
+            family = family_class(family.pipe.to(torch.float32))
+            family.micro_batching = MicroBatching(FP32_PATH_SAMPLES * rows_per_sample(family, resolve_options(family, options)))
+            findings["fp32_ode_vs_pipeline_max_abs_latent_diff"], findings["fp32_latent_abs_max"] = ode_distance(FP32_PATH_SAMPLES)
+            print(f"{name}: fp32 ODE path against the pipeline: {findings['fp32_ode_vs_pipeline_max_abs_latent_diff']}", flush=True)
+        else:
+            skipped.append("the fp32 path")
     return {
         "family": name,
         "transformer_parameters": parameters,
@@ -286,27 +400,23 @@ def check_family(
         "steps": steps,
         "group": GROUP,
         "guidance": guidance,
-        "rollout_samples_per_s": rollout_rate,
-        "pipeline_samples_per_s": pipeline_rate,
-        "rollout_over_pipeline": rollout_rate / pipeline_rate,
-        "rollout_seconds": runs["rollout"],
-        "pipeline_seconds": runs["pipeline"],
-        "rollout_peak_memory_mb": rollout_peak,
-        "rollout_peak_memory_mb_16_samples": rollout_peak_16,
-        "pipeline_peak_memory_mb": pipeline_peak,
-        "replay_max_abs_dlogp": (replayed.log_probs - rollout_log_probs).abs().max().item(),
-        "log_probs_finite": bool(torch.isfinite(rollout_log_probs).all()),
-        "ode_vs_pipeline_max_abs_latent_diff": (ode_latents - pipeline_latents).abs().max().item(),
-        "latent_abs_max": pipeline_latents.abs().max().item(),
-        "micro_batch_denoising_seconds_per_sample": calibration.denoising_seconds_per_sample,
-        "micro_batch_decode_seconds_per_sample": calibration.decode_seconds_per_sample,
-        "micro_batch_load": calibration.load,
-        "micro_batch_denoising_seconds_for_load": calibration.denoising_seconds_for_load,
-        "micro_batch_decode_seconds_for_load": calibration.decode_seconds_for_load,
-        "micro_batch_chosen": calibration.chosen,
-        "decode_batch_chosen": calibration.chosen_for_decode,
+        **findings,
+        **(
+            {
+                "micro_batch_denoising_seconds_per_sample": calibration.denoising_seconds_per_sample,
+                "micro_batch_decode_seconds_per_sample": calibration.decode_seconds_per_sample,
+                "micro_batch_load": calibration.load,
+                "micro_batch_denoising_seconds_for_load": calibration.denoising_seconds_for_load,
+                "micro_batch_decode_seconds_for_load": calibration.decode_seconds_for_load,
+                "micro_batch_chosen": calibration.chosen,
+                "decode_batch_chosen": calibration.chosen_for_decode,
+            }
+            if calibration
+            else {}
+        ),
         "throughput_by_batch_size": throughput,
         "batch_invariant_kernels": kernels,
+        "skipped": skipped,
     }
 
 
@@ -380,6 +490,12 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", choices=sorted({**FAMILIES, **VIDEO_FAMILIES}), default=["sd3", "flux"])
     parser.add_argument("--tiny", action="store_true", help="tiny copies on the CPU: checks the script itself")
     parser.add_argument("--out", type=Path, help="write the findings here as JSON")
+    parser.add_argument("--budget-s", type=float, help="wall seconds for the whole run; none: no limit")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS, help="what to run for an image family")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, help=f"default: {BATCH_SIZES}")
+    parser.add_argument(
+        "--calibrated", type=Path, help="an earlier run's findings: without the calibration section, its sizes are used"
+    )
     args = parser.parse_args()
 
     from rollout.tiny_families import FAMILY_BUILDERS, VIDEO_BUILDERS
@@ -388,21 +504,40 @@ def main() -> None:
     size, steps = (64, 3) if args.tiny else (512, 10)
     # The tiny copies check the script, not the speed: fewer sizes.
     candidates, batch_sizes = ((1, 2), (1, 8)) if args.tiny else (MICRO_BATCH_CANDIDATES, BATCH_SIZES)
+    batch_sizes = tuple(args.batch_sizes or batch_sizes)
+    calibrated = {found["family"]: found for found in json.loads(args.calibrated.read_text())} if args.calibrated else {}
     findings = []
+    budget = Budget(args.budget_s)
     with tempfile.TemporaryDirectory() as scratch:
-        for name in args.families:
-            if name in VIDEO_FAMILIES:
-                tiny_dir = VIDEO_BUILDERS["wan21"](Path(scratch) / name)
-                findings.append(check_video_family(name, tiny_dir, args.tiny, device))
-            else:
-                tiny_dir = FAMILY_BUILDERS[name](Path(scratch) / name)
-                findings.append(check_family(name, tiny_dir, args.tiny, device, size, steps, candidates, batch_sizes))
+        for position, name in enumerate(args.families):
+            weights_left = sum(BUDGET_WEIGHTS[later] for later in args.families[position:])
+            share = budget.share(BUDGET_WEIGHTS[name] / weights_left)
+            started = time.perf_counter()
+            try:
+                if not share.allows(MIN_FAMILY_SECONDS):
+                    findings.append({"family": name, "skipped": ["all: out of time"]})
+                elif name in VIDEO_FAMILIES:
+                    tiny_dir = VIDEO_BUILDERS["wan21"](Path(scratch) / name)
+                    findings.append(check_video_family(name, tiny_dir, args.tiny, device))
+                else:
+                    tiny_dir = FAMILY_BUILDERS[name](Path(scratch) / name)
+                    findings.append(
+                        check_family(
+                            name, tiny_dir, args.tiny, device, size, steps, candidates, batch_sizes, share,
+                            tuple(args.sections), calibrated.get(name),
+                        )  # fmt: skip
+                    )
+            except Exception:  # the next family's figures are worth the rest of the lease
+                findings.append({"family": name, "error": traceback.format_exc(limit=-8)})
+            findings[-1]["seconds"] = time.perf_counter() - started
             print(json.dumps(findings[-1]), flush=True)
             if args.out:  # after each family, so a run cut short keeps what it measured
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(findings, indent=2) + "\n")
             if device == "cuda":
                 torch.cuda.empty_cache()
+    if any("error" in found for found in findings):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

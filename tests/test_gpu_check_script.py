@@ -22,7 +22,9 @@ def findings_by_family(tmp_path_factory) -> dict[str, dict]:
         timeout=600,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    return {found["family"]: found for found in json.loads(out.read_text())}
+    findings = json.loads(out.read_text())
+    assert not [found for found in findings if "error" in found or found.get("skipped")]
+    return {found["family"]: found for found in findings}
 
 
 def test_the_gpu_check_runs_on_the_tiny_copies(findings_by_family):
@@ -35,6 +37,8 @@ def test_the_gpu_check_runs_on_the_tiny_copies(findings_by_family):
     assert findings["rollout_over_pipeline"] == findings["rollout_samples_per_s"] / findings["pipeline_samples_per_s"]
     assert findings["replay_max_abs_dlogp"] == 0.0 and findings["log_probs_finite"]
     assert findings["ode_vs_pipeline_max_abs_latent_diff"] < 0.1 * findings["latent_abs_max"]
+    # In fp32 the ODE path is the pipeline's: bit for bit in a call of the pipeline's two samples.
+    assert findings["fp32_ode_vs_pipeline_max_abs_latent_diff"] == 0.0 and findings["fp32_latent_abs_max"] > 1
     # The calibration it ran, and the throughput at each batch size with the size it chose.
     per_sample = {int(rows): seconds for rows, seconds in findings["micro_batch_denoising_seconds_per_sample"].items()}
     assert set(per_sample) == {1, 2} and findings["micro_batch_chosen"] in per_sample
@@ -58,3 +62,21 @@ def test_the_gpu_check_runs_wan_on_its_tiny_copy(findings_by_family):
     assert findings["rollout_videos_per_s"] == 2 / min(findings["rollout_seconds"])
     assert findings["rollout_over_pipeline"] == findings["rollout_videos_per_s"] / findings["pipeline_videos_per_s"]
     assert findings["replay_max_abs_dlogp"] == 0.0 and findings["log_probs_finite"]
+
+
+def test_sections_that_would_overrun_the_budget_are_skipped_and_named(tmp_path):
+    """The device machine is lent for minutes: past its budget the script names what it left out,
+    after the group (its timings, replay and the ODE path), which always runs."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_check
+    from rollout.tiny_families import FAMILY_BUILDERS
+
+    spent = gpu_check.Budget(0.0)
+    findings = gpu_check.check_family("flux", FAMILY_BUILDERS["flux"](tmp_path / "flux"), True, "cpu", 64, 3, (1, 2), (1, 8), spent)
+    assert findings["skipped"] == [
+        "calibration (the batch sizes run in calls of the group)",
+        "batch-invariant kernels",
+        "batch size 1 and larger",
+        "the fp32 path",
+    ]
+    assert findings["replay_max_abs_dlogp"] == 0.0 and findings["throughput_by_batch_size"] == {}
