@@ -17,7 +17,10 @@ bits independent of its companions (`BatchInvariance`):
   layers, convolutions, group norm, attention and means over a sample's own dimensions (RMS norm:
   on CUDA a reduction's kernel is chosen for the number of rows). What else these transformers and
   VAEs run (elementwise operations, layer norm and softmax over the last dimension) computes a row
-  from that row alone, and is left batched.
+  from that row alone, and is left batched. Where one call holds the branches of classifier-free
+  guidance, rows [negative; positive] (`branches_in_one_call`), a sample is its rows in both
+  branches, run as one call of two rows, as the pipeline runs a lone guided sample: a call of a
+  fixed shape, so again the same bits whatever the companions.
 
 The argument is checked, not trusted: the tests compare every family's velocity and decoded image
 of a sample alone, at other positions and in calls of 2 to 6 rows, bit for bit, on CPU; and
@@ -33,8 +36,9 @@ tiling, and a sample's own shape is the one that costs no padding.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +67,21 @@ _PER_SAMPLE: dict[Callable, tuple[tuple[str, ...], int]] = {
     F.scaled_dot_product_attention: (("query", "key", "value", "attn_mask"), 3),
 }
 _MEANS = (torch.mean, torch.Tensor.mean)
+# How many blocks of the same samples a model call's rows are (`branches_in_one_call`).
+_BRANCHES: contextvars.ContextVar[int] = contextvars.ContextVar("branches", default=1)
+
+
+@contextlib.contextmanager
+def branches_in_one_call(branches: int) -> Iterator[None]:
+    """Within it, a model call's rows are `branches` blocks of the same samples in the same order
+    (classifier-free guidance in one call: [negative; positive]), and `BatchInvariantKernels` runs
+    a sample's rows of every block together. Measured on an H200: a guided SD3.5-Medium sample alone
+    ran at 0.48 of the pipeline's speed with its two rows in two calls (docs/real_models.md)."""
+    token = _BRANCHES.set(branches)
+    try:
+        yield
+    finally:
+        _BRANCHES.reset(token)
 
 
 class BatchInvariantKernels(TorchFunctionMode):
@@ -100,17 +119,22 @@ def _reduces_within_samples(args: tuple, kwargs: dict[str, Any]) -> bool:
 def _one_sample_at_a_time(func: Callable, batched: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> Any:
     leading = _leading(batched, args, kwargs)
     size = leading.shape[0]
-    if size == 0:
+    branches = _BRANCHES.get()
+    if size % branches:  # rows that are not the call's blocks (none seen): each its own call
+        branches = 1
+    samples = size // branches
+    if samples == 0:
         return func(*args, **kwargs)
 
     def sample(value, i: int):
-        # Each sample in the contiguous layout: for one sample the strides of a channels-last and a
-        # contiguous tensor can both pass for either layout, and a kernel that picks its code by
-        # layout then computes the same values two ways (seen: group norm in a VAE decoder, whose
-        # layout followed the batch size). A tensor broadcast over the batch (an attention mask
-        # with fewer dimensions, or a leading dimension of 1) holds for every sample as it is.
+        # Sample i's rows: i, i + samples, ... (one a branch). Each sample in the contiguous layout:
+        # for one sample the strides of a channels-last and a contiguous tensor can both pass for
+        # either layout, and a kernel that picks its code by layout then computes the same values
+        # two ways (seen: group norm in a VAE decoder, whose layout followed the batch size). A
+        # tensor broadcast over the batch (an attention mask with fewer dimensions, or a leading
+        # dimension of 1) holds for every sample as it is.
         if isinstance(value, torch.Tensor) and value.dim() == leading.dim() and value.shape[0] == size:
-            return value[i : i + 1].contiguous()
+            return value[i::samples].contiguous()
         return value
 
     outputs = [
@@ -118,9 +142,12 @@ def _one_sample_at_a_time(func: Callable, batched: tuple[str, ...], args: tuple,
             *(sample(value, i) if position < len(batched) else value for position, value in enumerate(args)),
             **{name: sample(value, i) if name in batched else value for name, value in kwargs.items()},
         )
-        for i in range(size)
+        for i in range(samples)
     ]
-    return outputs[0] if size == 1 else torch.cat(outputs)
+    if samples == 1:
+        return outputs[0]
+    # Back to the call's order: every sample's first branch, then every sample's second, ...
+    return torch.stack(outputs, dim=1).flatten(0, 1)
 
 
 def zero_padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -7,12 +7,13 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from rollout.calibration import calibrate, check_batch_invariance, require_batch_invariance
 from rollout.errors import InvalidRequestError, ModelLoadError
-from rollout.kernels import BatchInvariance, BatchInvariantKernels
+from rollout.kernels import BatchInvariance, BatchInvariantKernels, branches_in_one_call
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
@@ -95,6 +96,32 @@ def test_per_sample_operations_give_a_sample_the_same_bits_alone_and_beside_othe
                 query=query[3:4], key=key[3:4], value=value[3:4], attn_mask=mask if mask is None or mask.dim() == 2 else mask[3:4]
             )
             assert torch.equal(alone[0], batch[3])
+
+
+def test_the_branches_of_guidance_in_one_call_run_a_samples_rows_together():
+    """Rows [negative; positive] of three samples: each sample's two rows reach the stock kernel
+    as one call, in the call's order again after it; outside `branches_in_one_call`, a row a call."""
+
+    class StockCalls(TorchFunctionMode):  # below the kernels' mode: sees the calls it makes
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.linear:
+                self.rows.append(args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(3)
+    weight, rows = torch.randn(48, 40, generator=generator), torch.randn(6, 5, 40, generator=generator)
+    with StockCalls() as stock, BatchInvariantKernels(), branches_in_one_call(2):
+        guided = F.linear(rows, weight)
+    assert stock.rows == [2, 2, 2]
+    for i in range(3):
+        assert torch.equal(guided[[i, i + 3]], F.linear(rows[[i, i + 3]], weight))
+    with StockCalls() as stock, BatchInvariantKernels():
+        F.linear(rows, weight)
+    assert stock.rows == [1] * 6
 
 
 def test_gradients_flow_through_the_blocks():

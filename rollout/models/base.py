@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, ru
 import torch
 
 from rollout.errors import InvalidRequestError
-from rollout.kernels import BatchInvariance, kernels_for
+from rollout.kernels import BatchInvariance, branches_in_one_call, kernels_for
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
 
@@ -214,7 +214,8 @@ def batched_cfg_velocity(
         raise ValueError("classifier-free guidance needs the negative branch's conditioning (neg_cond_kwargs)")
     negative, positive = conditioning.neg_cond_kwargs, conditioning.pos_cond_kwargs
     both = {name: torch.cat([negative[name], positive[name]]) for name in positive}
-    v_uncond, v_cond = run(torch.cat([x_t, x_t]), torch.cat([timestep, timestep]), both).chunk(2)
+    with branches_in_one_call(2):
+        v_uncond, v_cond = run(torch.cat([x_t, x_t]), torch.cat([timestep, timestep]), both).chunk(2)
     return v_uncond + scale * (v_cond - v_uncond)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from rollout.models.base import Conditioning, ImageSizeLimits, check_single_denoiser, latent_frame_count
+from rollout.kernels import branches_in_one_call
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
@@ -131,9 +132,10 @@ class LTXVideoFamily(DiffusersFamily):
                 raise ValueError("classifier-free guidance needs the negative branch's conditioning (neg_cond_kwargs)")
             negative = conditioning.neg_cond_kwargs
             both = {name: torch.cat([negative[name], positive[name]]) for name in positive}
-            unconditional, conditional = self.run_transformer(
-                torch.cat([tokens, tokens]), torch.cat([timestep, timestep]), **both, **grid
-            ).chunk(2)
+            with branches_in_one_call(2):
+                unconditional, conditional = self.run_transformer(
+                    torch.cat([tokens, tokens]), torch.cat([timestep, timestep]), **both, **grid
+                ).chunk(2)
             velocity = unconditional + options.guidance_scale * (conditional - unconditional)
         return self.pipe._unpack_latents(velocity, frames, rows, columns, patch, patch_t)
 
