@@ -120,7 +120,7 @@ def _one_sample_at_a_time(func: Callable, batched: tuple[str, ...], args: tuple,
     leading = _leading(batched, args, kwargs)
     size = leading.shape[0]
     branches = _BRANCHES.get()
-    if size % branches:  # rows that are not the call's blocks (none seen): each its own call
+    if size % branches:  # not the call's rows (a broadcast row, say): a row a call, as without branches
         branches = 1
     samples = size // branches
     if samples == 0:
