@@ -9,6 +9,17 @@ that changed.
 
 The digests are those of one kernel set: the CPU capability torch reports is stored with them,
 and on another the comparison is skipped (with a reason), since matmul bits differ by ISA.
+An x86 machine above the recorded AVX2 can run (and record) them by holding torch, MKL and oneDNN
+to AVX2 for the run:
+
+    ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        .venv/bin/python -m pytest tests/test_reference_bits.py tests/deployments/test_handle.py \
+        tests/deployments/test_http.py tests/deployments/test_real_families_app.py
+
+On an AMD EPYC reporting AVX512 (2026-12-04) every digest recorded on an AVX2 machine matched this
+way (the library's 12 tests, and the served ones: 14 passed with `-k "bits or digest or reference"`);
+`ATEN_CPU_CAPABILITY` alone did not (MKL's matmuls kept AVX512). Not
+on a processor without AVX2: torch then runs instructions it lacks.
 
     ROLLOUT_WRITE_REFERENCE_DIGESTS=1 .venv/bin/python -m pytest tests -k reference_bits
 
