@@ -200,10 +200,7 @@ class Budget:
         return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
 
     def share(self, fraction: float) -> "Budget":
-        share = Budget(None)
-        if self.deadline is not None:
-            share.deadline = time.perf_counter() + fraction * self.left()
-        return share
+        return Budget(None if self.deadline is None else fraction * self.left())
 
     def allows(self, estimated_seconds: float) -> bool:
         return estimated_seconds <= self.left()
@@ -220,6 +217,12 @@ def building_on(device: str, dtype: torch.dtype):
             yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def replay_difference(family, batch) -> float:
+    """The largest |log-prob difference| between a rollout's samples and their replay."""
+    replayed = replay_log_probs(family, batch.schedule, batch.options, batch.samples)
+    return (replayed.log_probs - torch.stack([s.log_probs for s in batch.samples])).abs().max().item()
 
 
 def measured(device: str, fn):
@@ -303,8 +306,6 @@ def check_family(
             _, seconds, pipeline_peak = measured(device, plain_pipeline)
             runs["pipeline"].append(seconds)
         _, _, rollout_peak_16 = measured(device, lambda: rollout(2 * GROUP))
-        replayed = replay_log_probs(family, batch.schedule, batch.options, batch.samples)
-        rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
         rates = {which: GROUP / min(seconds) for which, seconds in runs.items()}
         ode_difference, latent_abs_max = ode_distance(GROUP)
         findings = {
@@ -316,8 +317,8 @@ def check_family(
             "rollout_peak_memory_mb": rollout_peak,
             "rollout_peak_memory_mb_16_samples": rollout_peak_16,
             "pipeline_peak_memory_mb": pipeline_peak,
-            "replay_max_abs_dlogp": (replayed.log_probs - rollout_log_probs).abs().max().item(),
-            "log_probs_finite": bool(torch.isfinite(rollout_log_probs).all()),
+            "replay_max_abs_dlogp": replay_difference(family, batch),
+            "log_probs_finite": all(bool(torch.isfinite(s.log_probs).all()) for s in batch.samples),
             "ode_vs_pipeline_max_abs_latent_diff": ode_difference,
             "latent_abs_max": latent_abs_max,
         }
@@ -361,21 +362,17 @@ def check_family(
     # worth more than the largest batch), measured after them, and only where they hold.
     kernels_mode = MicroBatching(padding.default, invariance=BatchInvariance.KERNELS)
     kernels = {}
-    if "kernels" not in sections:
-        pass
-    elif budget.allows(3 * GROUP * seconds_per_sample * KERNELS_SAMPLE_COST):
-        family.micro_batching = kernels_mode
-        invariance = check_batch_invariance(family, size, size, guidance)
-        kernels = {"velocity_difference": invariance.velocity_difference, "image_difference": invariance.image_difference}
-        if invariance.holds:
-            kernels_batch = rollout()
-            kernels_replay = replay_log_probs(family, kernels_batch.schedule, kernels_batch.options, kernels_batch.samples)
-            kernels_log_probs = torch.stack([s.log_probs for s in kernels_batch.samples])
-            kernels["replay_max_abs_dlogp"] = (kernels_replay.log_probs - kernels_log_probs).abs().max().item()
-        print(f"{name}: batch-invariant kernels: {kernels}", flush=True)
-        family.micro_batching = padding
-    else:
-        skipped.append("batch-invariant kernels")
+    if "kernels" in sections:
+        if budget.allows(3 * GROUP * seconds_per_sample * KERNELS_SAMPLE_COST):
+            family.micro_batching = kernels_mode
+            invariance = check_batch_invariance(family, size, size, guidance)
+            kernels = {"velocity_difference": invariance.velocity_difference, "image_difference": invariance.image_difference}
+            if invariance.holds:
+                kernels["replay_max_abs_dlogp"] = replay_difference(family, rollout())
+            print(f"{name}: batch-invariant kernels: {kernels}", flush=True)
+            family.micro_batching = padding
+        else:
+            skipped.append("batch-invariant kernels")
     throughput = throughput_by_batch_size() if "batch-sizes" in sections else {}
     if "replay_max_abs_dlogp" in kernels and "batch-sizes" in sections:
         family.micro_batching = kernels_mode
@@ -460,8 +457,6 @@ def check_video_family(name: str, tiny_dir: Path, tiny: bool, device: str) -> di
         runs["rollout"].append(seconds)
         _, seconds, pipeline_peak = measured(device, plain_pipeline)
         runs["pipeline"].append(seconds)
-    replayed = replay_log_probs(family, batch.schedule, batch.options, batch.samples)
-    rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
     rates = {which: videos / min(seconds) for which, seconds in runs.items()}
     return {
         "family": name,
@@ -480,8 +475,8 @@ def check_video_family(name: str, tiny_dir: Path, tiny: bool, device: str) -> di
         "pipeline_seconds": runs["pipeline"],
         "rollout_peak_memory_mb": rollout_peak,
         "pipeline_peak_memory_mb": pipeline_peak,
-        "replay_max_abs_dlogp": (replayed.log_probs - rollout_log_probs).abs().max().item(),
-        "log_probs_finite": bool(torch.isfinite(rollout_log_probs).all()),
+        "replay_max_abs_dlogp": replay_difference(family, batch),
+        "log_probs_finite": all(bool(torch.isfinite(s.log_probs).all()) for s in batch.samples),
     }
 
 
