@@ -312,20 +312,32 @@ def assert_batch_invariant(pipeline, family: str) -> None:
     assert torch.equal(alone.debug.model_outputs, batched.debug.model_outputs)
 
 
+@pytest.mark.parametrize(
+    ("size", "bucket"), [(64, 8), (128, 8), (176, 8), (192, 16), (240, 16), (256, 32), (1024, 32), (1664, 32)]
+)
+def test_qwen_image_text_buckets_hold_the_padding_near_an_eighth_of_the_image_tokens(pipelines, size, bucket):
+    pipeline = pipelines("qwenimage")
+    options = SamplingOptions(height=size, width=size)
+    assert pipeline.text_length_bucket(options) == bucket
+    # A prompt's padded length is its own token count's bucket: the next multiple, and never past the limit.
+    assert [pipeline.padded_text_length(n, options) for n in (1, bucket, bucket + 1)] == [bucket, bucket, 2 * bucket]
+    assert pipeline.padded_text_length(pipeline.max_sequence_length, options) == pipeline.max_sequence_length
+
+
 def test_qwen_image_samples_with_texts_of_different_length_buckets_keep_their_bits(pipelines):
     pipeline = pipelines("qwenimage")  # micro-batches of 2
     options = SamplingOptions(
         num_inference_steps=2, height=SIZE, width=SIZE, true_cfg_scale=3.0, debug=True, return_denoising_env=True
     )
-    # (positive, negative) text buckets: (64, 32), (32, 32), (64, 32), (32, 64), (32, 32)
+    # (positive, negative) text buckets, in multiples of 8 at 64x64: (64, 8), (8, 8), (64, 8), (8, 64), (8, 8)
     branches = ("pos_cond_kwargs", "neg_cond_kwargs")
     prompts = [LONG_PROMPT, "a cat", LONG_PROMPT, "a cat", "x"]
-    negatives = ["", "blurry", "dark", LONG_PROMPT, ""]
+    negatives = ["", "x", "x", LONG_PROMPT, ""]
     seeds = [3, 4, 5, 6, 7]
     call = sample_call(pipeline, prompts, seeds, options, negatives)
     envs = [s.denoising_env for s in call.batch.samples]
     text_lengths = [tuple(len(env[branch]["encoder_hidden_states_mask"]) for branch in branches) for env in envs]
-    assert text_lengths == [(64, 32), (32, 32), (64, 32), (32, 64), (32, 32)]
+    assert text_lengths == [(64, 8), (8, 8), (64, 8), (8, 64), (8, 8)]
     # Three buckets of 2, 2 and 1 samples, each in whole micro-batches of 2: 6 rows a step, not 5 or 10.
     assert call.transformer_rows == 2 * 6
     for i, batched in enumerate(call.batch.samples):
@@ -359,8 +371,8 @@ def test_denoising_env_holds_every_transformer_input(pipelines, family):
     if family == "qwenimage":
         mask = env["pos_cond_kwargs"]["encoder_hidden_states_mask"]
         # padded to its length bucket, not to max_sequence_length
-        assert mask.shape == (pipeline.padded_text_length(int(mask.sum())),) and 0 < mask.sum() < len(mask)
-        assert len(mask) % pipeline.text_length_bucket == 0 and len(mask) < pipeline.max_sequence_length
+        assert mask.shape == (pipeline.padded_text_length(int(mask.sum()), options),) and 0 < mask.sum() < len(mask)
+        assert len(mask) % pipeline.text_length_bucket(options) == 0 and len(mask) < pipeline.max_sequence_length
         assert env["image_kwargs"]["img_shapes"].tolist() == [1, 32 // 16, SIZE // 16]  # (frames, token rows, token columns)
 
 

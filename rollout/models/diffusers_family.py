@@ -258,7 +258,7 @@ class DiffusersFamily:
         with torch.no_grad():
             for text in (*prompts, *(negatives or ())):
                 if text not in encoded:
-                    encoded[text] = self.encode_prompt(text)
+                    encoded[text] = self.encode_prompt(text, options)
 
         def stacked(texts: Sequence[str]) -> dict[str, torch.Tensor]:
             return {name: torch.cat([encoded[t][name] for t in texts]) for name in encoded[texts[0]]}
@@ -277,8 +277,9 @@ class DiffusersFamily:
         keys = [(text_shapes(prompts, row), text_shapes(negatives, row)) for row in range(len(prompts))]
         return BucketedConditioning.grouped(keys, conditioning_of)
 
-    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
-        """One prompt's transformer keyword arguments, each `(1, ...)`, encoded alone."""
+    def encode_prompt(self, prompt: str, options: SamplingOptions) -> dict[str, torch.Tensor]:
+        """One prompt's transformer keyword arguments, each `(1, ...)`, encoded alone for a request
+        with `options` (its image size may set the text padding)."""
         raise NotImplementedError
 
     def uses_negative_branch(self, options: SamplingOptions) -> bool:

@@ -22,7 +22,7 @@ class FluxFamily(PackedLatentFamily):
     default_guidance_scale = 3.5  # the pipeline's; read only by guidance-distilled (dev) weights
     default_max_sequence_length = 512
 
-    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+    def encode_prompt(self, prompt: str, options: SamplingOptions) -> dict[str, torch.Tensor]:
         prompt_embeds, pooled, text_ids = self.pipe.encode_prompt(
             prompt=prompt, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
         )

@@ -51,7 +51,7 @@ class StableDiffusion3Family(DiffusersFamily):
             return {}
         return {"mu": self.dynamic_shift_kwargs(num_steps, height, width, max_shift=1.16)["mu"]}
 
-    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+    def encode_prompt(self, prompt: str, options: SamplingOptions) -> dict[str, torch.Tensor]:
         prompt_embeds, _, pooled, _ = self.pipe.encode_prompt(
             prompt=prompt,
             prompt_2=None,

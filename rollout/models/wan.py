@@ -108,7 +108,7 @@ class WanFamily(DiffusersFamily):
 
     # Conditioning ------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+    def encode_prompt(self, prompt: str, options: SamplingOptions) -> dict[str, torch.Tensor]:
         embeds = self.pipe._get_t5_prompt_embeds(
             prompt=[prompt], max_sequence_length=self.max_sequence_length, device=self.device
         )
