@@ -1,0 +1,73 @@
+"""What Qwen-Image's text buckets cost when prompts of different lengths share a sampler call.
+
+Four prompts, each in a group of `--group-size` samples, sampled in one call (the widened tiny copy
+of `benchmarks.throughput`, 128 px, ODE, 10 steps). Rows of different text buckets cannot share a
+transformer call, so finer buckets mean cheaper rows but more, emptier calls. Prints each prompt's
+token count and padded length, the transformer rows computed and the rollout's median time.
+
+    .venv/bin/python -m benchmarks.text_buckets --prompts short
+    .venv/bin/python -m benchmarks.text_buckets --prompts mixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.throughput import SIZE, STEPS, build_families
+from rollout.models.base import MicroBatching
+from rollout.models.registry import load_pipeline
+from rollout.options import SamplingOptions
+from rollout.sampler import sample_call
+from rollout.transitions import TransitionKind
+
+PROMPT_SETS = {
+    # 7, 16, 22 and 27 tokens with the tiny tokenizer: one 32-token bucket
+    "short": ["a cat", "a red fox in snow", "a small boat on a lake", "a lighthouse on a cliff at dusk"],
+    # 7, 16, 36 and 68 tokens
+    "mixed": [
+        "a cat",
+        "a red fox in snow",
+        "a lighthouse on a cliff at night in a storm",
+        "an old sailing ship with torn sails drifting near a rocky coast under grey skies",
+    ],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
+    parser.add_argument("--prompts", choices=list(PROMPT_SETS), default="short")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--micro-batch-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    prompts = PROMPT_SETS[args.prompts]
+    batch = [prompt for prompt in prompts for _ in range(args.group_size)]
+    options = SamplingOptions(
+        num_inference_steps=STEPS["qwenimage"], height=SIZE, width=SIZE, sde_type=TransitionKind.ODE
+    )
+    with tempfile.TemporaryDirectory() as root:
+        path = build_families(Path(root), ["qwenimage"])["qwenimage"]
+        family = load_pipeline(None, path, micro_batching=MicroBatching(args.micro_batch_size))
+        one_step = SamplingOptions(height=SIZE, width=SIZE, num_inference_steps=1, return_denoising_env=True)
+        envs = [s.denoising_env for s in sample_call(family, prompts, list(range(len(prompts))), one_step).batch.samples]
+        masks = [env["pos_cond_kwargs"]["encoder_hidden_states_mask"] for env in envs]
+        seconds = []
+        for _ in range(args.rounds + 1):  # the first is a warm-up
+            started = time.perf_counter()
+            call = sample_call(family, batch, list(range(len(batch))), options)
+            seconds.append(time.perf_counter() - started)
+        timed = seconds[1:]
+    print(f"(tokens, padded to): {[(int(mask.sum()), len(mask)) for mask in masks]}")
+    print(
+        f"{len(prompts)} prompts x {args.group_size} samples, calls of {args.micro_batch_size}: "
+        f"{call.transformer_rows} transformer rows, rollout {statistics.median(timed) * 1e3:.0f} ms "
+        f"({min(timed) * 1e3:.0f} - {max(timed) * 1e3:.0f}), median of {args.rounds}"
+    )
+
+
+if __name__ == "__main__":
+    main()
