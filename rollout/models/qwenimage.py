@@ -5,8 +5,9 @@ dropped. The pipeline pads a batch to its longest prompt and drops the mask when
 padded, which makes a prompt's conditioning depend on its batch; here every prompt is encoded
 alone and padded, with an explicit mask, to the multiple of `text_length_bucket` tokens above its
 own length (at most `max_sequence_length`), so the sampler runs prompts of one bucket together.
-Latents are packed like FLUX.1's, the schedule shifts with the image's token count and stretches to `shift_terminal`, and true CFG
-(`true_cfg_scale` > 1) rescales the guided velocity to the norm of the conditional one.
+Latents are packed like FLUX.1's, the schedule shifts with the image's token count and stretches
+to `shift_terminal`, and true CFG (`true_cfg_scale` > 1) rescales the guided velocity to the norm
+of the conditional one.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class QwenImageFamily(PackedLatentFamily):
         32 tokens from 256 image tokens up (256x256 pixels), where they cost at most an eighth of
         the sequence (1024 px: under 1%). Smaller images take the power of two nearest below an
         eighth of their tokens, at least 8, so that the padding stays near that share: buckets of
-        32 made tiny 128 px copies 7-20% slower than the pipeline at 16 samples of one prompt.
+        32 made tiny 128 px copies 8-20% slower than the pipeline at 16 samples of one prompt.
         Finer buckets cost calls when prompts of different lengths come in groups smaller than a
         call (docs/throughput.md)."""
         eighth = self.image_sequence_length(options.height, options.width) // 8
