@@ -29,6 +29,7 @@ from pathlib import Path
 
 # The suite's own requests and application, as the commit being served defines them.
 from benchmarks.__main__ import HEAVY, LIGHT, ONE_REPLICA, request
+from benchmarks.serving import Spread
 
 REPO = Path(__file__).resolve().parent.parent
 WORK = {"light": LIGHT, "heavy": HEAVY}
@@ -122,12 +123,6 @@ class Server:
                 return line
 
 
-def spread(values: list[float]) -> str:
-    ordered = sorted(values)
-    median = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1 : len(ordered) // 2 + 1]) / 2
-    return f"{median:.2f} ({ordered[0]:.2f} - {ordered[-1]:.2f})"
-
-
 def report(commits: list[str], rounds: list[dict[str, dict[str, float]]], minutes: float, only: str) -> list[str]:
     old, new = commits
     command = f"python -m benchmarks.ab {old} {new} --rounds {len(rounds)}" + (f" --only {only!r}" if only else "")
@@ -145,13 +140,13 @@ def report(commits: list[str], rounds: list[dict[str, dict[str, float]]], minute
         for path in PATHS[1:]:
             if f"{label}: {path}" in measured and f"{label}: in-process" in measured:
                 ratios = [[r[c][f"{label}: in-process"] / r[c][f"{label}: {path}"] for r in rounds] for c in commits]
-                lines.append(f"| {label}: {path} / in-process | " + " | ".join(spread(x) for x in ratios) + " |")
+                lines.append(f"| {label}: {path} / in-process | " + " | ".join(f"{Spread(tuple(x))}" for x in ratios) + " |")
     if all(name in measured for name in BURST):
         bursts = [[r[c][BURST[0]] / r[c][BURST[1]] for r in rounds] for c in commits]
-        lines.append(f"| {BURST[1]} / {BURST[0]} | " + " | ".join(spread(x) for x in bursts) + " |")
+        lines.append(f"| {BURST[1]} / {BURST[0]} | " + " | ".join(f"{Spread(tuple(x))}" for x in bursts) + " |")
     lines += ["", f"Speed of `{new}` over `{old}`, per path:", "", "| path | new / old |", "|---|---|"]
     for name in measured:
-        lines.append(f"| {name} | {spread([r[old][name] / r[new][name] for r in rounds])} |")
+        lines.append(f"| {name} | {Spread(tuple(r[old][name] / r[new][name] for r in rounds))} |")
     return lines
 
 

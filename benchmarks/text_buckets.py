@@ -12,11 +12,11 @@ token count and padded length, the transformer rows computed and the rollout's m
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.serving import Spread
 from benchmarks.throughput import SIZE, STEPS, build_families
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
@@ -62,8 +62,8 @@ def main() -> None:
     print(f"(tokens, padded to): {[(int(mask.sum()), len(mask)) for mask in masks]}")
     print(
         f"{len(prompts)} prompts x {args.group_size} samples, calls of {args.micro_batch_size}: "
-        f"{call.transformer_rows} transformer rows, rollout {statistics.median(timed) * 1e3:.0f} ms "
-        f"({min(timed) * 1e3:.0f} - {max(timed) * 1e3:.0f}), median of {args.rounds}"
+        f"{call.transformer_rows} transformer rows, rollout {Spread(tuple(t * 1e3 for t in timed)):.0f} ms, "
+        f"median (min - max) of {args.rounds}"
     )
 
 
