@@ -107,6 +107,10 @@ def calibrated_sizes(path: Path, name: str) -> tuple[int, int, str]:
     return calibration.chosen, calibration.chosen_for_decode, report
 
 
+# Loads under this cost a quarter of a B=64 load's time or less, so a fixed time buys them more rounds.
+SMALL_LOAD = 64
+
+
 @dataclass(frozen=True)
 class Cell:
     """One load's rollout / pipeline time, for one family and way of batching, against the pipeline
@@ -129,9 +133,11 @@ def measure(
     calibrated: bool,
     invariances=(BatchInvariance.PADDING,),
     pipeline_outputs=("latent",),
+    small_load_rounds: int | None = None,
 ) -> tuple[list[Cell], list[str]]:
     """A `Cell` per family, batch invariance, micro-batch size, load and pipeline output, and the
-    calibrations run. The pipeline's outputs take their turns in the same rounds as the rollout."""
+    calibrations run. The pipeline's outputs take their turns in the same rounds as the rollout.
+    Loads of fewer than `SMALL_LOAD` samples take `small_load_rounds` (default: `rounds`)."""
     cells, calibrations = [], []
     for name, path in families.items():
         sizes = [(rows, rows) for rows in micro_batch_sizes]  # (the transformer's, the VAE's)
@@ -148,7 +154,8 @@ def measure(
                 micro_batch = str(rows) if rows == images else f"{rows}, VAE {images}"
                 family = load_pipeline(None, path, micro_batching=micro_batching)
                 for batch_size, cfg in loads:
-                    times = take_turns(runs(family, name, batch_size, cfg, pipeline_outputs), rounds)
+                    load_rounds = small_load_rounds if small_load_rounds and batch_size < SMALL_LOAD else rounds
+                    times = take_turns(runs(family, name, batch_size, cfg, pipeline_outputs), load_rounds)
                     for output in pipeline_outputs:
                         ratio = Spread(tuple(r / p for r, p in zip(times["rollout"], times[f"pipeline {output}"])))
                         cells.append(Cell(name, invariance, micro_batch, batch_size, cfg, output, ratio))
