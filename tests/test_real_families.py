@@ -326,10 +326,11 @@ def test_qwen_image_text_buckets_hold_the_padding_near_an_eighth_of_the_image_to
 
 @pytest.mark.parametrize("size", [SIZE, 2 * SIZE])
 def test_qwen_image_decodes_an_image_with_the_vaes_own_bits_without_its_causal_cache(pipelines, size):
-    vae = pipelines("qwenimage").vae
-    video_latents = torch.randn(2, vae.config.z_dim, 1, size // 8, size // 8, generator=torch.Generator().manual_seed(size))
-    expected = vae.decode(video_latents, return_dict=False)[0][:, :, 0]
-    assert torch.equal(pipelines("qwenimage").decode_frame(video_latents), expected)
+    pipeline = pipelines("qwenimage")
+    shape = (2, pipeline.vae.config.z_dim, 1, size // 8, size // 8)
+    video_latents = torch.randn(shape, generator=torch.Generator().manual_seed(size))
+    expected = pipeline.vae.decode(video_latents, return_dict=False)[0][:, :, 0]
+    assert torch.equal(pipeline.decode_frame(video_latents), expected)
 
 
 def test_qwen_image_samples_with_texts_of_different_length_buckets_keep_their_bits(pipelines):
