@@ -7,7 +7,6 @@ import os
 import re
 import resource
 import struct
-import time
 
 import pytest
 import torch
@@ -234,29 +233,34 @@ def write_safetensors(path, header, header_bytes=None, data_bytes=None):
     return path
 
 
-def refusal_within(seconds, call, fifo):
-    """The `WeightUpdateError` `call` raises, failing the test if it takes over `seconds`."""
+# Only a deadlock takes this long: it bounds the wait for a call that would otherwise never return.
+HANG_GUARD_SECONDS = 60
+
+
+def refusal_without_a_writer(call, fifo):
+    """The `WeightUpdateError` `call` raises while nothing ever opens `fifo` for writing.
+
+    A call that waits for a writer is released by opening the FIFO's other end, and fails the test.
+    """
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(call)
         try:
-            error = future.exception(timeout=seconds)
+            error = future.exception(timeout=HANG_GUARD_SECONDS)
         except concurrent.futures.TimeoutError:
             os.close(os.open(fifo, os.O_RDWR))  # releases the open it hangs in, so that the suite goes on
-            pytest.fail(f"reading a checkpoint with a FIFO in it took over {seconds} s")
+            pytest.fail("reading a checkpoint with a FIFO in it waited for a writer of the FIFO")
     assert isinstance(error, WeightUpdateError), error
     return error
 
 
-def test_a_fifo_is_refused_at_once(pipeline, tmp_path):
+def test_a_fifo_is_refused_without_waiting_for_a_writer(pipeline, tmp_path):
     names = weights_layout(pipeline.weight_modules)
     pipeline.save_pretrained(tmp_path / "checkpoint", weights_dtype=torch.float32)
     fifo = tmp_path / "checkpoint" / "transformer" / "diffusion_pytorch_model.safetensors"
     fifo.unlink()
     os.mkfifo(fifo)  # opening it for reading waits for a writer, unless opened without blocking
     for path in (tmp_path / "checkpoint", fifo):
-        start = time.monotonic()
-        error = refusal_within(5, lambda path=path: disk_update(path, names), fifo)
-        assert time.monotonic() - start < 1
+        error = refusal_without_a_writer(lambda path=path: disk_update(path, names), fifo)
         assert "does not exist, cannot be read, or is not a regular file or directory" in str(error)
 
 
@@ -304,14 +308,14 @@ def test_a_header_that_does_not_fit_the_model_is_refused_before_any_data_is_read
         {"not_a_weight": {"dtype": "F32", "shape": [gib // 4], "data_offsets": [0, gib]}},
     )
     assert huge.stat().st_size > gib and huge.stat().st_blocks * 512 < 2**20  # 1 GiB, a hole
-    resident, read, start = _resident_bytes(), _bytes_read(), time.monotonic()
+    resident, read = _resident_bytes(), _bytes_read()
     with pytest.raises(
         WeightUpdateError, match=r"transformer weights: \d+ missing .*, 1 unexpected \['not_a_weight'\]"
     ):
         disk_update(huge, weights_layout(pipeline.weight_modules))
-    elapsed, grown, bytes_read = time.monotonic() - start, _resident_bytes() - resident, _bytes_read() - read
-    print(f"refused in {elapsed * 1000:.1f} ms; RSS {grown / 2**20:+.1f} MiB; {bytes_read} bytes read")
-    assert elapsed < 1 and grown < 4 * 2**20 and bytes_read < 2**20
+    grown, bytes_read = _resident_bytes() - resident, _bytes_read() - read
+    assert bytes_read < 2**20, f"{bytes_read} bytes read of a 1 GiB file refused by its header"
+    assert grown < 4 * 2**20, f"RSS grew {grown / 2**20:+.1f} MiB refusing a 1 GiB file by its header"
 
     state_dict = pipeline.transformer.state_dict()
     name = next(iter(state_dict))
@@ -376,7 +380,9 @@ def test_non_finite_weights_are_refused_naming_the_tensor(pipeline, value, dtype
         apply_update(pipeline.weight_modules, tensor_update(state_dict))
     assert checksums(pipeline) == before
     if dtype is torch.float64:  # finite as float64: a float64 model takes it, only the cast to float32 overflows
-        apply_update({"transformer": copy.deepcopy(pipeline.transformer).double()}, tensor_update(state_dict))
+        float64_transformer = copy.deepcopy(pipeline.transformer).double()
+        apply_update({"transformer": float64_transformer}, tensor_update(state_dict))
+        assert torch.equal(base_weights(float64_transformer)[name], state_dict[name])
 
 
 def test_a_weight_the_model_holds_non_finite_may_stay_so(pipeline):
@@ -386,6 +392,10 @@ def test_a_weight_the_model_holds_non_finite_may_stay_so(pipeline):
         base_weights(pipeline.transformer)[name].view(-1)[0] = -float("inf")  # as a mask buffer would be
     state_dict[name].view(-1)[0] = -float("inf")
     apply_update(pipeline.weight_modules, tensor_update(state_dict))
+    served = base_weights(pipeline.transformer)
+    assert served[name].view(-1)[0] == -float("inf")
+    unequal = [key for key, tensor in state_dict.items() if not torch.equal(served[key], tensor)]
+    assert not unequal, f"the update was not applied to {unequal}"
 
 
 @pytest.mark.parametrize(
