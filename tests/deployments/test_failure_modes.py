@@ -18,6 +18,7 @@ from rollout.errors import NonFiniteOutputError, WeightUpdateError
 from rollout.models.registry import load_pipeline
 from tests.deployments.apps import deploy
 from tests.deployments.replicas import on_replicas, pids, request_body
+from tests.deployments.waiting import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -165,9 +166,24 @@ def test_a_stopping_server_answers_every_request_in_flight(one_worker):
     app = one_worker
     long_request = {**request_body(4, samples=8), "prompt": ["4", "5"], "num_inference_steps": 50, "rollout_debug_mode": False}
     answers = []
+
+    def mark_sampling(worker):  # nested: Ray pickles it by value into the replica
+        velocity = worker.pipeline.predict_velocity
+
+        def marked(*args, **kwargs):
+            marked.sampling = True
+            return velocity(*args, **kwargs)
+
+        marked.sampling = False
+        worker.pipeline.predict_velocity = marked  # gone with the application, deleted below
+
+    on_replicas(app.name, "RolloutWorker", mark_sampling)
     client = threading.Thread(target=lambda: answers.append(requests.post(f"{app.url}/rollout/generate", json=long_request)))
     client.start()
-    time.sleep(1.0)  # sampling
+    wait_until(
+        lambda: on_replicas(app.name, "RolloutWorker", lambda worker: worker.pipeline.predict_velocity.sampling) == [True],
+        "the worker sampling the long request",
+    )
     app.handle.stop_serving.remote().result()
     refused = requests.post(f"{app.url}/rollout/generate", json=request_body(5))
     serve.delete(app.name)  # how soon: benchmarks.reliability

@@ -13,12 +13,14 @@ import pytest
 import ray
 import requests
 from ray import serve
+from ray.util.state import list_actors
 
 from deployments.dispatch import OverloadedError, RolloutResult, WorkerLostError
 from rollout.codec import from_msgpack
 from rollout.plan import DeadlineExceededError
 from tests.deployments.apps import deploy, deploy_ingress
 from tests.deployments.replicas import pids, request_body
+from tests.deployments.waiting import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -64,7 +66,7 @@ def test_a_worker_replica_killed_under_load_loses_no_request_and_changes_no_samp
     clients = [threading.Thread(target=client, args=(requests_[k::8],)) for k in range(8)]
     for thread in clients:
         thread.start()
-    time.sleep(2.0)  # the load is running
+    wait_until(lambda: outcomes, "the first answer under load")  # the other 47 are still to come
     os.kill(pids(app.name, "RolloutWorker")[0], signal.SIGKILL)
     for thread in clients:
         thread.join(timeout=240)
@@ -77,8 +79,14 @@ def test_a_worker_replica_killed_under_load_loses_no_request_and_changes_no_samp
 def test_results_a_trainer_holds_survive_the_ingress_replica(app):
     undisturbed = [_sample_bits(app.handle.generate.remote(request_body(i, samples=4)).result().batch().samples) for i in (1, 2)]
     results = [app.handle.generate.remote(request_body(i, samples=4)).result() for i in (1, 2)]
-    os.kill(pids(app.name, "RolloutIngress")[0], signal.SIGKILL)
-    time.sleep(1.0)  # the references the ingress owned are gone with it
+    (ingress_pid,) = pids(app.name, "RolloutIngress")
+
+    def ingress_dead() -> bool:  # as Ray sees it: the references the ingress owned are gone with it
+        return all(actor.pid != ingress_pid for actor in list_actors(filters=[("state", "=", "ALIVE")]))
+
+    assert not ingress_dead()
+    os.kill(ingress_pid, signal.SIGKILL)
+    wait_until(ingress_dead, "Ray seeing the ingress dead", poll_s=0.2)
     assert [_sample_bits(r.batch(timeout_s=120).samples) for r in results] == undisturbed
 
 

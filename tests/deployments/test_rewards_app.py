@@ -5,7 +5,6 @@ serving, and a scorer replica killed under load losing no request."""
 import concurrent.futures
 import os
 import signal
-import time
 
 import pytest
 import requests
@@ -17,6 +16,7 @@ from rollout.scorers.registry import build_scorer
 from tests.deployments.apps import deploy_ingress
 from tests.deployments.replicas import on_replicas
 from tests.deployments.test_http import post
+from tests.deployments.waiting import wait_until
 
 # Four replicas in all (each a process that imports torch): `digits` and `ink` are
 # tests/deployments/test_scoring.py's, and `slow` scores ink, a little slowly.
@@ -77,12 +77,30 @@ def test_a_failing_scorer_is_named_or_nulled_and_the_server_keeps_serving(http, 
 
 
 def test_a_scorer_replica_killed_under_load_loses_no_request(http, rewards_app):
+    """The module's last test: the surviving replica keeps its counting scorer."""
     body = {**BODY, "rollout_reward_models": ["slow"], "rollout_advantages": None}
-    pids = on_replicas(rewards_app.name, "Scorer-slow", lambda replica: os.getpid())
+
+    def count_calls_running(replica):  # nested: Ray pickles it by value into the replica
+        score = replica.scorer.score
+
+        def counted(samples):
+            counted.running += 1
+            try:
+                return score(samples)
+            finally:
+                counted.running -= 1
+
+        counted.running = 0
+        replica.scorer.score = counted
+
+    def a_replica_scoring() -> int | None:
+        running = on_replicas(rewards_app.name, "Scorer-slow", lambda replica: (os.getpid(), replica.scorer.score.running))
+        return next((pid for pid, calls in running if calls), None)
+
+    on_replicas(rewards_app.name, "Scorer-slow", count_calls_running)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         answers = [pool.submit(post, requests.Session(), rewards_app.url, {**body, "seed": 100 * i}) for i in range(6)]
-        time.sleep(1.0)  # the first parts are being scored
-        os.kill(pids[0], signal.SIGKILL)
+        os.kill(wait_until(a_replica_scoring, "a replica of the slow scorer scoring"), signal.SIGKILL)
         rows = [answer.result(timeout=120) for answer in answers]
     for request in rows:
         assert [row["rewards"]["slow"] for row in request] == direct(request, "ink")
