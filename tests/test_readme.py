@@ -1,6 +1,19 @@
 """Every command in the README runs as written: its shell and Python blocks, in the README's
 order, against `make serve` started from this checkout, as a reader with a second terminal runs
-them. Python blocks share one interpreter, as when pasted into one session.
+them.
+
+A reader pastes one Python block, not every block above it: each runs in a fresh interpreter of
+its own, or opens with one line naming the blocks it continues, by their sections' titles, and the
+names it takes from them:
+
+    # continues the block "Handle API" above: uses handle and trainer_model
+
+Such a block runs in the interpreter of the first block it continues (directly or through
+another), in a copy of the namespace that block left: the other blocks it continues run again in
+it, then the block. So it sees only the names of the blocks it names; what a block before it left
+in that interpreter other than names (an object it changed) it shares, as a reader's session
+would. The names a block reads and does not bind are checked against its first line without a
+server too.
 
 Each `bash` and `python` block is marked on the line before it: `<!-- readme-test: run -->`, or
 `<!-- readme-test: skip: <why> -->` for one that cannot run here (a GPU, a cluster, a second
@@ -16,15 +29,17 @@ replicas' calls to each other (the workers' long polls of the weight coordinator
 ends as a terminal's Ctrl-C ends it, with requests in flight.
 """
 
+import builtins
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import symtable
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -36,6 +51,11 @@ README = REPOSITORY / "README.md"
 VENV_PYTHON = REPOSITORY / ".venv/bin/python"
 FENCE = re.compile(r"^(?P<indent> *)```(?P<language>\w*)\s*$")
 MARK = re.compile(r"^\s*<!-- readme-test: (?:(?P<run>run)|skip: (?P<reason>.+)) -->\s*$")
+HEADING = re.compile(r"^#{1,6} (?P<title>.+?)\s*$")
+_NAMES = r"\w+(?:(?:, | and )\w+)*"
+CONTINUES = re.compile(
+    r'^# continues the blocks? (?P<sections>"[^"]+"(?:(?:, | and )"[^"]+")*) above: uses (?P<names>' + _NAMES + r")$"
+)
 START_TIMEOUT_S = 300.0  # a cold start took 40-100 s on the CI machine's 2 shared cores
 BLOCK_TIMEOUT_S = 300.0
 EXIT_TIMEOUT_S = 60.0
@@ -49,21 +69,25 @@ LONG_REQUEST = {
 # The output path the README's job writes to; moved aside while the test runs if a reader's run left it.
 JOB_OUTPUT = REPOSITORY / "outputs/rollouts"
 
-# Runs the Python blocks it is sent, one JSON line each, in one namespace; after each it prints a
-# line of its own: the block's name and "ok", or the traceback's last line.
+# A fresh interpreter for one block that continues none: runs it, then each list of blocks it is
+# sent (one JSON line each) in a copy of the namespace that first block left. After each line it
+# prints one of its own: the last block's name and "ok", or the traceback and "failed".
 SESSION = r"""
 import json, sys, traceback
-namespace = {"__name__": "__main__"}
+first = None
 for line in sys.stdin:
-    block = json.loads(line)
+    blocks = json.loads(line)
+    namespace = {"__name__": "__main__"} if first is None else dict(first)
     try:
-        exec(compile(block["source"], block["name"], "exec"), namespace)
+        for block in blocks:
+            exec(compile(block["source"], block["name"], "exec"), namespace)
         outcome = "ok"
     except BaseException:
         traceback.print_exc()
         outcome = "failed"
     sys.stderr.flush()
-    print("\0" + json.dumps({"name": block["name"], "outcome": outcome}), flush=True)
+    first = namespace if first is None else first
+    print("\0" + json.dumps({"name": blocks[-1]["name"], "outcome": outcome}), flush=True)
 """
 
 
@@ -73,18 +97,31 @@ class Block:
     language: str
     source: str
     skip_reason: str | None
+    section: str = ""  # the title of the heading above it
+    continues: list["Block"] = field(default_factory=list)  # the blocks its first line names
+    uses: set[str] = field(default_factory=set)  # the names its first line says it takes from them
 
     @property
     def name(self) -> str:
         return f"README.md:{self.line}"
 
+    def chain(self) -> list["Block"]:
+        """The blocks a reader pastes, in the README's order, to run this one: those it continues,
+        theirs, and itself."""
+        found = {self.line: self}
+        for continued in self.continues:
+            found.update((block.line, block) for block in continued.chain())
+        return [found[line] for line in sorted(found)]
+
 
 def readme_blocks() -> list[Block]:
     lines = README.read_text().splitlines()
-    blocks, number = [], 0
+    blocks, number, section = [], 0, ""
     while number < len(lines):
         fence = FENCE.match(lines[number])
         if not fence:
+            heading = HEADING.match(lines[number])
+            section = heading["title"] if heading else section
             number += 1
             continue
         end = next(i for i in range(number + 1, len(lines)) if lines[i].strip() == "```")
@@ -95,15 +132,82 @@ def readme_blocks() -> list[Block]:
             )
             indent = len(fence["indent"])
             source = "\n".join(line[indent:] for line in lines[number + 1 : end]) + "\n"
-            blocks.append(Block(number + 1, fence["language"], source, None if mark["run"] else mark["reason"]))
+            blocks.append(
+                Block(number + 1, fence["language"], source, None if mark["run"] else mark["reason"], section)
+            )
         number = end + 1
+    for block in blocks:
+        if block.language == "python":
+            _read_continues_line(block, blocks)
     return blocks
+
+
+def _read_continues_line(block: Block, blocks: list[Block]) -> None:
+    first = block.source.splitlines()[0] if block.source.strip() else ""
+    if not first.startswith("# continues"):
+        return
+    line = CONTINUES.match(first)
+    assert line, f'{block.name}: not read as `# continues the block "<section>" above: uses a, b and c`: {first}'
+    block.uses = set(re.split(r", | and ", line["names"]))
+    for title in re.findall(r'"([^"]+)"', line["sections"]):
+        sections = {b.section for b in blocks if b.section.startswith(title)}
+        assert len(sections) == 1, f'{block.name}: "{title}" names {len(sections)} sections with blocks: {sections}'
+        above = [
+            b for b in blocks if b.section in sections and b.language == "python" and b.line < block.line
+        ]
+        assert len(above) == 1, f'{block.name}: "{title}" has {len(above)} Python blocks above it, not one'
+        assert above[0].skip_reason is None, f"{block.name} continues {above[0].name}, which the test skips"
+        block.continues.append(above[0])
+
+
+def names_read_not_bound(source: str) -> set[str]:
+    """The global names a block reads and binds nowhere at its top level, builtins aside."""
+    module = symtable.symtable(source, "block", "exec")
+    bound = names_bound(source)
+    read, tables = set(), [module]
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        read.update(
+            symbol.get_name()
+            for symbol in table.get_symbols()
+            if symbol.is_referenced() and (table is module or symbol.is_global())
+        )
+    return read - bound - set(dir(builtins))
+
+
+def names_bound(source: str) -> set[str]:
+    module = symtable.symtable(source, "block", "exec")
+    return {
+        symbol.get_name()
+        for symbol in module.get_symbols()
+        if symbol.is_assigned() or symbol.is_imported() or symbol.is_namespace()
+    }
 
 
 def test_every_shell_and_python_block_is_marked_and_skips_say_why():
     blocks = readme_blocks()
     assert len([b for b in blocks if b.skip_reason is None]) >= 6
     assert all(len(b.skip_reason) > 20 for b in blocks if b.skip_reason is not None)
+
+
+def test_each_python_block_reads_only_its_own_names_or_those_of_the_blocks_it_says_it_continues():
+    """The names part of the rule, without a server: a block that reads `requests` or `handle` from a
+    block above it says so on its first line, and its line lists exactly what it takes."""
+    wrong = []
+    for block in readme_blocks():
+        if block.language != "python":
+            continue
+        needed = names_read_not_bound(block.source)
+        available = set().union(*(names_bound(b.source) for b in block.chain()[:-1]))
+        if not needed <= available:
+            wrong.append(
+                f"{block.name} reads {sorted(needed - available)}, bound by no block it continues: import them,"
+                f' or open it with `# continues the block "<section>" above: uses ...`'
+            )
+        elif block.uses != needed:
+            wrong.append(f"{block.name}'s first line says it uses {sorted(block.uses)}; it reads {sorted(needed)}")
+    assert not wrong, "\n".join(wrong)
 
 
 def reader_environment() -> dict:
@@ -184,23 +288,13 @@ def test_the_readme_runs_as_written_against_make_serve(job_output_moved_aside):
         text=True,
     )
     served = Output(server.stdout)
-    session = None
+    sessions: dict[int, tuple[subprocess.Popen, Output]] = {}  # by the line of the block each began with
     try:
         ready = served.wait_for(lambda line: line.startswith("serving application"), server, START_TIMEOUT_S, "serving")
         ready_at = time.monotonic()
         assert "model embedded-digits (packaged weights)" in ready and "on http://127.0.0.1:8000" in ready, ready
         assert "(probes: http://127.0.0.1:8001)" in ready, ready
         assert re.search(r"Ray at 127\.0\.0\.1:\d+;", ready), ready
-        session = subprocess.Popen(
-            [str(VENV_PYTHON), "-u", "-c", SESSION],
-            cwd=REPOSITORY,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        python = Output(session.stdout)
         for block in readme_blocks():
             if block.skip_reason is not None:
                 print(f"{block.name}: skipped: {block.skip_reason}")
@@ -209,7 +303,7 @@ def test_the_readme_runs_as_written_against_make_serve(job_output_moved_aside):
             if block.language == "bash":
                 _run_shell_block(block, env)
             else:
-                _run_python_block(block, session, python)
+                _run_python_block(block, sessions, env)
             print(f"{block.name}: ran in {time.monotonic() - started:.1f} s")
 
         time.sleep(max(0.0, SERVED_AT_LEAST_S - (time.monotonic() - ready_at)))
@@ -219,7 +313,7 @@ def test_the_readme_runs_as_written_against_make_serve(job_output_moved_aside):
         )
         served.join(EXIT_TIMEOUT_S)
     finally:
-        if session is not None:
+        for session, _ in sessions.values():
             session.kill()
             session.wait()
         if server.poll() is None:
@@ -258,10 +352,30 @@ def _run_shell_block(block: Block, env: dict) -> None:
     )
 
 
-def _run_python_block(block: Block, session: subprocess.Popen, output: Output) -> None:
-    session.stdin.write(json.dumps({"name": block.name, "source": block.source}) + "\n")
+def _run_python_block(block: Block, sessions: dict[int, tuple[subprocess.Popen, Output]], env: dict) -> None:
+    """Runs a block that continues none in a fresh interpreter, and one that continues others in the
+    interpreter of the first of them, after the others."""
+    first, *rest = block.chain()
+    if first is block:
+        session = subprocess.Popen(
+            [str(VENV_PYTHON), "-u", "-c", SESSION],
+            cwd=REPOSITORY,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        sessions[block.line] = session, Output(session.stdout)
+        rest = [block]
+    session, output = sessions[first.line]
+    session.stdin.write(json.dumps([{"name": b.name, "source": b.source} for b in rest]) + "\n")
     session.stdin.flush()
     done = output.wait_for(
-        lambda line: line.startswith("\0") and block.name in line, session, BLOCK_TIMEOUT_S, f"done with {block.name}"
+        lambda line: line.startswith("\0") and f'"{block.name}"' in line,
+        session,
+        BLOCK_TIMEOUT_S * len(rest),
+        f"done with {block.name}",
     )
-    assert json.loads(done[1:])["outcome"] == "ok", f"{block.name} failed:\n{block.source}\n{output.text(60)}"
+    after = f" after {[b.name for b in [first, *rest[:-1]]]}" if first is not block else " in a fresh interpreter"
+    assert json.loads(done[1:])["outcome"] == "ok", f"{block.name} failed{after}:\n{block.source}\n{output.text(60)}"
