@@ -42,6 +42,7 @@ import ray
 from deployments.config import RolloutAppConfig
 from deployments.ray_private import object_ref
 from deployments.scoring import RequestScoring, Scorers, UnscoredResults
+from rollout.cost import TransformerCost
 from rollout.errors import InvalidRequestError, RolloutError, ScorerError
 from rollout.plan import DeadlineExceededError, RolloutPlan, SamplingWork
 from rollout.trajectory import RolloutBatch
@@ -118,6 +119,7 @@ class RolloutResult:
     straight from the workers into the caller's process and joins them into one `RolloutBatch`
     (one schedule, samples in request order, sample i of prompt i // num_outputs_per_prompt).
     A part lost with its worker replica or with the ingress is sampled again by whoever fetches it.
+    `transformer_cost()` says what the request cost the transformer and what a tree saved.
     """
 
     request_id: str
@@ -138,21 +140,27 @@ class RolloutResult:
             fetches = asyncio.gather(*fetches)
         else:
             fetches = self.scoring.scored(fetches, [len(work) for work in self.works])
-        try:
-            return list(await asyncio.wait_for(fetches, timeout_s))
-        except asyncio.TimeoutError:
-            raise FetchTimeoutError(
-                f"the request's parts were not all sampled within {timeout_s} s; fetch again to wait for them"
-            ) from None
+        return list(await _within(fetches, timeout_s))
 
     async def batch_async(self, timeout_s: float | None = None) -> RolloutBatch:
         return joined_batch(await self.worker_results_async(timeout_s))
+
+    async def transformer_cost_async(self, timeout_s: float | None = None) -> TransformerCost:
+        """What the request cost the transformer, and would have cost unbranched: its parts' sums
+        (`rollout.cost`: each part charged its own rows, padded as if alone in its call). Fetches
+        the parts without scoring them (after `batch()`, from this node's object store), within
+        `timeout_s` as `worker_results` does."""
+        fetches = asyncio.gather(*(self._fetched(part, work) for part, work in zip(self.parts, self.works)))
+        return request_cost(await _within(fetches, timeout_s))
 
     def worker_results(self, timeout_s: float | None = None) -> list[WorkerResult]:
         return run_on_dispatch_loop(self.worker_results_async(timeout_s))
 
     def batch(self, timeout_s: float | None = None) -> RolloutBatch:
         return run_on_dispatch_loop(self.batch_async(timeout_s))
+
+    def transformer_cost(self, timeout_s: float | None = None) -> TransformerCost:
+        return run_on_dispatch_loop(self.transformer_cost_async(timeout_s))
 
     def cancel(self) -> None:
         for part in self.parts:
@@ -175,8 +183,23 @@ class RolloutResult:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
 
+async def _within(fetches: Awaitable[T], timeout_s: float | None) -> T:
+    """`fetches`' result, or `FetchTimeoutError` if the parts take longer than `timeout_s` in all."""
+    try:
+        return await asyncio.wait_for(fetches, timeout_s)
+    except asyncio.TimeoutError:
+        raise FetchTimeoutError(
+            f"the request's parts were not all sampled within {timeout_s} s; fetch again to wait for them"
+        ) from None
+
+
 def joined_batch(parts: list[WorkerResult]) -> RolloutBatch:
     return RolloutBatch.concat([part.batch for part in parts])
+
+
+def request_cost(parts: list[WorkerResult]) -> TransformerCost:
+    """A request's transformer rows and rows unbranched: the sums of its parts' (`rollout.cost`)."""
+    return TransformerCost.total(part.cost for part in parts)
 
 
 def chunk_size(num_samples: int, num_worker_replicas: int, max_batch_size: int) -> int:

@@ -20,6 +20,7 @@ from deployments.config import RolloutAppConfig
 from deployments.memory import MemoryOccupation
 from deployments.weights import ServedWeights
 from rollout.calibration import require_batch_invariance
+from rollout.cost import TransformerCost, transformer_cost
 from rollout.errors import InvalidRequestError, NonFiniteOutputError, RolloutError
 from rollout.kernels import BatchInvariance
 from rollout.models.base import RolloutPipeline
@@ -40,9 +41,9 @@ class WorkerResult:
     Attributes:
         batch: the work's samples, all referring to one schedule object.
         sampler_batch_size: samples (a tree's leaves) in the sampler call that produced them (shows batching).
-        transformer_rows: rows the transformer computed in that call, its padding included: once per
-            node and step for trees (`rollout.tree`), and for unbranched samples the padding is what
-            exceeds `sampler_batch_size` times the steps.
+        transformer_rows: rows the transformer computed in that call, other requests' work in it and
+            its padding included: once per node and step for trees (`rollout.tree`), and for
+            unbranched samples the padding is what exceeds `sampler_batch_size` times the steps.
         inference_time_s: wall time of that sampler call.
         peak_memory_mb: peak accelerator memory allocated during that call; None on the CPU.
         replica: the worker replica that sampled them.
@@ -51,6 +52,9 @@ class WorkerResult:
             scoring calls ran (`deployments/scoring.py`); the same for every part of the request.
         reward_wait_s: of that, what came after its last part was fetched: the reward time not
             hidden behind sampling.
+        cost: the work's own transformer rows, padded as if it had the call to itself, and its rows
+            unbranched (`rollout.cost`): what a request's figures sum, whatever its call held. None
+            only in a result no worker made (a test's).
     """
 
     batch: RolloutBatch
@@ -62,6 +66,7 @@ class WorkerResult:
     node_id: str
     reward_time_s: float | None = None
     reward_wait_s: float | None = None
+    cost: TransformerCost | None = None
 
 
 def _sample_measured(pipeline: RolloutPipeline, *args, **kwargs) -> tuple[SamplerCall, float | None]:
@@ -220,7 +225,14 @@ class RolloutWorker:
                 results[i] = error
                 continue
             results[i] = WorkerResult(
-                part, len(call.batch.samples), call.transformer_rows, elapsed, peak_memory_mb, self.replica, self.node_id
+                part,
+                len(call.batch.samples),
+                call.transformer_rows,
+                elapsed,
+                peak_memory_mb,
+                self.replica,
+                self.node_id,
+                cost=transformer_cost(self.pipeline, work.roots(), work.options),
             )
         served_nothing = all(isinstance(results[i], NonFiniteOutputError) for i in servable)
         self._failed_calls_in_a_row = self._failed_calls_in_a_row + 1 if served_nothing else 0

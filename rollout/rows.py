@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from rollout.cost import TransformerCost
 from rollout.errors import InvalidRequestError
 from rollout.plan import RolloutPlan
 from rollout.schedule import ScheduleSnapshot
@@ -30,11 +31,14 @@ def response_rows(
     inference_time_s: float,
     peak_memory_mb: float | None = None,
     reward_times: tuple[float, float] | None = None,
+    cost: TransformerCost | None = None,
 ) -> list[dict[str, Any]]:
     """One map per sample (a tree's leaf), in request order: SGLang's keys, then the extensions
     `prompt_index`, `sample_seed`, `weight_version`, `branch_path` (the leaf's child index at each
-    branch step; [] unbranched) and `branch_seeds` (the seeds of the generators its noise came from,
-    root first: `rollout.tree`); with `rollout_reward_models`, `rewards` {scorer: score},
+    branch step; [] unbranched), `branch_seeds` (the seeds of the generators its noise came from,
+    root first: `rollout.tree`), `transformer_rows` and `transformer_rows_unbranched` (`cost`: the
+    whole request's, the same in every row as `inference_time_s` is; None where not given:
+    `rollout.cost`); with `rollout_reward_models`, `rewards` {scorer: score},
     `reward_time_s` and `reward_wait_s` (`reward_times`: the request's scoring time, and the part of
     it after sampling) and, with `rollout_advantages`, `advantages` {scorer: advantage}."""
     request = plan.request
@@ -65,6 +69,8 @@ def response_rows(
             "weight_version": sample.weight_version,
             "branch_path": list(sample.branch_path),
             "branch_seeds": list(sample.branching.branch_seeds(sample.root_seed, sample.branch_path)),
+            "transformer_rows": None if cost is None else cost.transformer_rows,
+            "transformer_rows_unbranched": None if cost is None else cost.transformer_rows_unbranched,
             **_reward_fields(plan, sample, reward_times),
         }
         for i, sample in enumerate(batch.samples)

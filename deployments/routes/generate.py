@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from deployments.bodies import MSGPACK
-from deployments.dispatch import RolloutResult, joined_batch
+from deployments.dispatch import RolloutResult, joined_batch, request_cost
 from deployments.http_errors import (
     error_response,
     internal_error_response,
@@ -65,7 +65,7 @@ class GenerateRoutes:
             return internal_error_response(request_id)
         peak_memory_mb = max((p.peak_memory_mb for p in parts if p.peak_memory_mb is not None), default=None)
         reward_times = None if parts[0].reward_time_s is None else (parts[0].reward_time_s, parts[0].reward_wait_s)
-        rows = response_rows(plan, batch, time.perf_counter() - start, peak_memory_mb, reward_times)
+        rows = response_rows(plan, batch, time.perf_counter() - start, peak_memory_mb, reward_times, request_cost(parts))
         if "application/json" in http_request.headers.get("accept", ""):
             return Response(to_json(rows), media_type="application/json")
         return Response(to_msgpack(rows), media_type=MSGPACK)

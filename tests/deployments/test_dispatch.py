@@ -17,6 +17,7 @@ from deployments.dispatch import (
     WorkerLostError,
     chunk_size,
 )
+from rollout.cost import TransformerCost
 from rollout.errors import InvalidRequestError
 from rollout.plan import DeadlineExceededError, RequestLimits, plan_rollout
 from rollout.schema import parse_request
@@ -125,6 +126,16 @@ def test_a_lost_part_is_sampled_again_with_the_same_work_until_the_attempts_run_
     with pytest.raises(WorkerLostError, match="lost 3 times"):
         result.worker_results()
     assert len(always.sent) == 3
+
+
+def test_the_handles_transformer_cost_is_its_parts_sums():
+    class Costed(Part):
+        async def _resolve(self):
+            return SimpleNamespace(work=self.work, cost=TransformerCost(len(self.work), 3 * len(self.work)))
+
+    result = asyncio.run(dispatcher(Workers(lambda work, attempt: Costed(work))).dispatch(plan(3), 1e12))
+    assert [len(work) for work in result.works] == [2, 1]
+    assert result.transformer_cost() == asyncio.run(result.transformer_cost_async()) == TransformerCost(3, 9)
 
 
 @pytest.mark.parametrize("api", ["sync", "async"])

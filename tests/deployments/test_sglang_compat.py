@@ -55,7 +55,15 @@ SGLANG_ROW_KEYS = [
     "inference_time_s",
     "peak_memory_mb",
 ]
-EXTENSION_ROW_KEYS = ["prompt_index", "sample_seed", "weight_version", "branch_path", "branch_seeds"]
+EXTENSION_ROW_KEYS = [
+    "prompt_index",
+    "sample_seed",
+    "weight_version",
+    "branch_path",
+    "branch_seeds",
+    "transformer_rows",
+    "transformer_rows_unbranched",
+]
 ENCODINGS = ["application/msgpack", "application/json"]
 
 

@@ -1,17 +1,23 @@
 """Tree rollouts served (`rollout_branch_steps`, `rollout_branch_factors`): rows per leaf with their
 paths and seeds, HTTP and handle bit for bit, the library's bits, sampled together with unbranched
-requests, and every bad combination of fields a 400 naming it."""
+requests, what each request cost the transformer (`rollout.cost`), and every bad combination of
+fields a 400 naming it."""
 
 import pytest
 import torch
 
+from deployments.dispatch import request_cost
+from rollout.cost import TransformerCost
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
-from rollout.sampler import sample_tree
+from rollout.sampler import micro_batch_size, resolve_options, sample_tree
 from rollout.tree import Branching, TreeRoot
 from tests.deployments.replicas import held_samplers
 from tests.deployments.test_http import post
+from tests.test_cost import steps_and_nodes_by_depth
+
+ENCODINGS = ("application/msgpack", "application/json")
 
 TREE = {
     "prompt": ["3", "8"],
@@ -79,6 +85,10 @@ def test_a_tree_shares_a_sampler_call_with_an_unbranched_request_and_keeps_the_l
     # Nothing padded under the kernels: a root runs steps 0 .. 2, 2 children 3 .. 4, 4 leaves 5;
     # the unbranched sample all 6.
     assert parts[0].transformer_rows == 3 + 2 * 2 + 4 + 6
+    # Each request is charged its own rows (the call's rows, split: nothing padded to share), and
+    # the rows its leaves would have cost unbranched.
+    assert [result.transformer_cost() for result in results] == [TransformerCost(11, 4 * 6), TransformerCost(6, 6)]
+    assert [part.cost for part in parts] == [result.transformer_cost() for result in results]
     library = load_pipeline(micro_batching=MicroBatching(16, invariance="kernels"))  # the served model's
     batch = results[0].batch()
     roots = [TreeRoot("8", "", 500, BRANCHING), TreeRoot("5", "", 40)]
@@ -86,6 +96,46 @@ def test_a_tree_shares_a_sampler_call_with_an_unbranched_request_and_keeps_the_l
     for leaf, expected in zip([*batch.samples, *results[1].batch().samples], alone):
         for name, tensor in expected.tensors().items():
             assert torch.equal(leaf.tensors()[name], tensor), name
+
+
+def expected_cost(result, branching: Branching, samples_per_call: int) -> TransformerCost:
+    """`rollout.tree`'s per-node formula, each depth's nodes padded to whole calls, summed over the
+    request's parts (each charged as if alone in its call); unbranched, its leaves for all 6 steps."""
+    padded = lambda rows: -(-rows // samples_per_call) * samples_per_call  # noqa: E731
+    rows = unbranched = 0
+    for work in result.works:
+        roots = len(work) // branching.leaves_per_root
+        rows += sum(steps * padded(roots * nodes) for steps, nodes in steps_and_nodes_by_depth(branching, 6))
+        unbranched += 6 * padded(len(work))
+    return TransformerCost(rows, unbranched)
+
+
+def test_a_trees_cost_is_its_nodes_rows_padded_and_below_its_unbranched_cost(http, base_url, handle, embedded_pipeline):
+    branching = Branching((2, 3, 4), (2, 2, 2))
+    body = {**TREE, "prompt": ["1", "2", "3", "4"], "rollout_return_dit_trajectory": False}
+    body.update(rollout_branch_steps=list(branching.steps), rollout_branch_factors=list(branching.factors))
+    result = handle.generate.remote(body).result()
+    options = resolve_options(embedded_pipeline, SamplingOptions(num_inference_steps=6))
+    samples_per_call = micro_batch_size(embedded_pipeline, options)  # the served model's, guided: 16 rows / 2
+    assert samples_per_call == 8 and [len(work) for work in result.works] == [16, 16]  # 2 roots a part
+    expected = expected_cost(result, branching, samples_per_call)
+    # Per part: 2 roots (padded to 8) for 3 steps, 4 nodes (8) for 1, 8 (8) for 1, 16 leaves for 1.
+    assert expected == TransformerCost(2 * (3 * 8 + 8 + 8 + 16), 2 * 6 * 16)
+    assert result.transformer_cost() == request_cost(result.worker_results()) == expected
+    for accept in ENCODINGS:
+        rows = post(http, base_url, body, accept)
+        assert len(rows) == 32
+        assert {(row["transformer_rows"], row["transformer_rows_unbranched"]) for row in rows} == {(112, 192)}
+
+
+def test_an_unbranched_request_without_padding_costs_its_unbranched_figure(http, base_url, handle):
+    body = {"prompt": ["1", "2"], "num_outputs_per_prompt": 8, "num_inference_steps": 6, "seed": 3}
+    result = handle.generate.remote(body).result()
+    assert [len(work) for work in result.works] == [8, 8]  # whole calls of 8 guided samples: no padding
+    assert result.transformer_cost() == TransformerCost(16 * 6, 16 * 6)
+    for accept in ENCODINGS:
+        rows = post(http, base_url, body, accept)
+        assert {(row["transformer_rows"], row["transformer_rows_unbranched"]) for row in rows} == {(96, 96)}
 
 
 @pytest.mark.parametrize(
