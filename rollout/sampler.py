@@ -273,8 +273,10 @@ def sample_tree(
     noise_stds = _host_buffer((num_steps,), device) if options.debug else None  # shared by every row
 
     def new_epoch(first_step: int, nodes: list[_Node], parent: torch.Tensor | None) -> _Epoch:
+        # x_0 is the first epoch's alone: an epoch that starts at a branch at step 0 also has
+        # first_step 0, and keeps only the latents after its transitions, as every later one does.
         end = epoch_ends[len(epochs)]
-        latent_steps = [step for step in kept_steps if first_step < step <= end or (step == 0 and first_step == 0)]
+        latent_steps = [step for step in kept_steps if first_step < step <= end or (step == 0 and not epochs)]
         rows, steps = len(nodes), end - first_step
         debug = None
         if options.debug:

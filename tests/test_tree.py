@@ -202,3 +202,34 @@ def test_the_tree_gives_a_trainer_node_rewards_and_sibling_groups_in_a_few_lines
             values = torch.stack([node_reward[c] for c in node.children])
             advantages = values - values.mean()
             assert advantages.shape == (len(node.children),) and abs(advantages.sum().item()) < 1e-6
+
+
+# Issue 44: an epoch starting at a branch at step 0 also kept x_0, so every leaf held T + 2 latents
+# for T + 1 step indices, and its x_1 was a buffer nobody wrote.
+@pytest.mark.parametrize(
+    "branching",
+    [Branching((0,), (2,)), Branching((0, 3), (2, 2)), Branching((0, 5), (2, 2)), Branching((0, 1), (2, 2))],
+    ids=["0", "0-3", "0-5", "0-1"],
+)
+@pytest.mark.parametrize("kind", ["sde", "cps"])
+@pytest.mark.parametrize("num_roots", [1, 2])
+def test_a_branch_at_step_0_keeps_one_latent_per_step_each_the_one_sampled(random_pipeline, branching, kind, num_roots):
+    steps = 7  # cps's last step draws no noise, so 5 is a branch step only before it
+    options = SamplingOptions(num_inference_steps=steps, debug=True, sde_type=kind)
+    roots = [TreeRoot(str(r), "", 50 + 10 * r, branching) for r in range(num_roots)]
+    batch = grow(random_pipeline, roots, options).batch
+    for leaf in [*batch.samples, *pickle.loads(pickle.dumps(batch)).samples]:
+        assert leaf.latents.shape[0] == leaf.latent_step_indices.numel() == steps + 1
+        assert torch.equal(leaf.latents[-1], leaf.final_latents)
+        assert torch.isfinite(leaf.latents).all()
+        debug = leaf.debug
+        for step in range(steps):  # each x_(s+1) is the one its transition drew
+            taken = debug.prev_sample_means[step] + debug.noise_std_devs[step] * debug.variance_noises[step]
+            assert torch.equal(leaf.latents[step + 1], taken), (leaf.branch_path, step)
+    last = branching.steps[-1]
+    for a, b in zip(batch.samples[0::2], batch.samples[1::2]):  # siblings at the last branch step
+        assert torch.equal(a.latents[: last + 1], b.latents[: last + 1])
+        assert not torch.equal(a.latents[last + 1], b.latents[last + 1])
+    for leaf in (batch.samples[0], batch.samples[-1]):
+        (alone,) = grow(random_pipeline, [TreeRoot.of_leaf(leaf)], options).batch.samples
+        assert_same_leaf(alone, leaf)
