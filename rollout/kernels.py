@@ -134,7 +134,7 @@ def _one_sample_at_a_time(func: Callable, batched: tuple[str, ...], args: tuple,
         # tensor broadcast over the batch (an attention mask with fewer dimensions, or a leading
         # dimension of 1) holds for every sample as it is.
         if isinstance(value, torch.Tensor) and value.dim() == leading.dim() and value.shape[0] == size:
-            return value[i::samples].contiguous()
+            return _with_own_strides(value[i::samples])
         return value
 
     outputs = [
@@ -148,6 +148,21 @@ def _one_sample_at_a_time(func: Callable, batched: tuple[str, ...], args: tuple,
         return outputs[0]
     # Back to the call's order: every sample's first branch, then every sample's second, ...
     return torch.stack(outputs, dim=1).flatten(0, 1)
+
+
+def _with_own_strides(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with the strides of a contiguous tensor of its shape. `.contiguous()` is not enough:
+    a sample's rows sliced from a call of n samples keep a leading stride n times a sample's (a
+    dimension of size 1 passes for contiguous with any stride), and `F.linear`'s CPU kernel gives
+    other bits for it (seen with torch 2.13: a `(1, 4, 32)` input times a LoRA's `(2, 32)` weight,
+    leading stride 256 against 128). Found by `benchmarks.properties` on SD3 and FLUX.1 with a
+    served LoRA."""
+    own = [1] * tensor.dim()
+    for dim in range(tensor.dim() - 2, -1, -1):
+        own[dim] = own[dim + 1] * tensor.shape[dim + 1]
+    if tensor.stride() == tuple(own):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def zero_padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -43,12 +43,13 @@ def family_pipelines(tiny_family_dirs):
 # The operations alone --------------------------------------------------------------------------
 
 
-def test_a_linear_row_is_the_same_alone_and_beside_others_where_the_stock_kernel_is_not():
+def test_a_linear_row_is_the_same_alone_and_beside_others():
+    # Whether the stock kernel gives this row other bits in calls of 1, 2 and 4 depends on the CPU
+    # (it did on the machines of earlier sessions, not on an AVX512 one of 2026-12-06), so only the
+    # mode's guarantee is asserted.
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(48, 40, generator=generator), torch.randn(48, generator=generator)
     tokens = torch.randn(7, 5, 40, generator=generator)  # (samples, tokens, features)
-    stock = [F.linear(tokens[:count], weight, bias)[0] for count in (1, 2, 4)]
-    assert not all(torch.equal(stock[0], row) for row in stock[1:])
     linear_map = tokens @ weight.T + bias
     with BatchInvariantKernels():
         alone = F.linear(tokens[3:4], weight, bias)[0]
@@ -65,6 +66,18 @@ def test_a_linear_row_is_the_same_alone_and_beside_others_where_the_stock_kernel
         assert torch.equal(F.linear(tokens[0, 0], weight, bias), tokens[0, 0] @ weight.T + bias)
         image, kernel = torch.randn(2, 5, 5), torch.randn(3, 2, 3, 3)
         assert F.conv2d(image, kernel).shape == (3, 3, 3)
+
+
+def test_a_sample_sliced_from_a_call_has_the_strides_it_has_alone():
+    # A counterexample of benchmarks.properties (SD3 and FLUX.1 serving a LoRA): a sample's rows
+    # sliced from a call of 2 kept a leading stride of 2 rows, and F.linear's CPU kernel computed
+    # a LoRA's rank-2 projection of them with other bits than of the same rows alone.
+    generator = torch.Generator().manual_seed(0)
+    tokens, lora_a = torch.randn(2, 4, 32, generator=generator), torch.randn(2, 32, generator=generator)
+    with BatchInvariantKernels():
+        alone = [F.linear(tokens[i : i + 1].clone(), lora_a) for i in range(2)]
+        together = F.linear(tokens, lora_a)
+    assert all(torch.equal(together[i : i + 1], alone[i]) for i in range(2))
 
 
 def test_per_sample_operations_give_a_sample_the_same_bits_alone_and_beside_others():
