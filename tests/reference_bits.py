@@ -7,23 +7,30 @@ what a request returns. The tests that own each path (`test_reference_bits.py` f
 compare their digests with the committed ones, field by field, so a failure names the tensor
 that changed.
 
-The digests are those of one kernel set: the CPU capability torch reports is stored with them,
-and on another the comparison is skipped (with a reason), since matmul bits differ by ISA.
-An x86 machine above the recorded AVX2 can run (and record) them by holding torch, MKL and oneDNN
-to AVX2 for the run:
+The digests are those of one kernel set, stored under its name (`current_kernel_set`): the CPU
+capability torch reports and the CPU's vendor, e.g. "AVX2 AuthenticAMD". Matmul bits differ by
+ISA, and MKL's kernels (its vector math too) by vendor at the same ISA: held to AVX2, a
+GenuineIntel Xeon (AVX512, AMX) gave the same code's library rollouts other bits than the
+AuthenticAMD digests, in 3 to 7 fields each, down to the SDE's noise standard deviations (scalar
+math, 1 ULP), where an AMD EPYC with AVX512 held to AVX2 matched every one (2026-12-04). Recorded:
+"AVX2 AuthenticAMD" (every test's) and "AVX2 GenuineIntel" (the library's). A test whose kernel
+set has no digest for its key skips, naming the kernel sets that have one.
+
+A CPU with more than AVX2 runs the AVX2 kernels when torch, MKL and oneDNN are held to it
+(`AVX2_HOLD`; `ATEN_CPU_CAPABILITY` alone does not do: MKL's matmuls keep AVX512); not one
+without AVX2: torch would then run instructions it lacks. `test_reference_bits.py` runs the
+library's rollouts so, in a subprocess (`python -m tests.reference_bits OUT.json`), on every
+machine with AVX2. The served tests compare in the kernel set of the pytest process and its Ray
+workers; to hold them to AVX2:
 
     ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
-        .venv/bin/python -m pytest tests/test_reference_bits.py tests/deployments/test_handle.py \
-        tests/deployments/test_http.py tests/deployments/test_real_families_app.py
-
-On an AMD EPYC reporting AVX512 (2026-12-04) every digest recorded on an AVX2 machine matched this
-way (the library's 12 tests, and the served ones: 14 passed with `-k "bits or digest or reference"`);
-`ATEN_CPU_CAPABILITY` alone did not (MKL's matmuls kept AVX512). Not
-on a processor without AVX2: torch then runs instructions it lacks.
+        .venv/bin/python -m pytest tests/deployments/test_handle.py tests/deployments/test_http.py \
+        tests/deployments/test_real_families_app.py -k "bits or digest or reference"
 
     ROLLOUT_WRITE_REFERENCE_DIGESTS=1 .venv/bin/python -m pytest tests -k reference_bits
 
-records them anew (only after a change that is meant to change bits, said in its commit).
+records them anew in the kernel set each test runs in (only after a change that is meant to
+change bits, said in its commit).
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import platform
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +50,8 @@ import torch
 
 DIGESTS_FILE = Path(__file__).with_name("reference_digests.json")
 WRITE = os.environ.get("ROLLOUT_WRITE_REFERENCE_DIGESTS") == "1"
+# What holds torch's own kernels, MKL's and oneDNN's to AVX2 on a CPU that has more.
+AVX2_HOLD = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # Row keys whose values differ between two runs of the same request by design, and the
 # transformer's rows, which follow the server's micro-batches rather than the samples' bits
 # (`rollout/cost.py`; tests/test_cost.py and tests/deployments/test_tree_app.py check them).
@@ -132,6 +144,7 @@ LIBRARY_RUNS: dict[str, tuple[list[str], list[int], dict[str, Any], list[str] | 
     ),
     "ode-env": (["a garden", "a photo"], [7, 8], {"num_inference_steps": 3, "sde_type": "ode", "return_denoising_env": True}, None),
 }
+LIBRARY_FAMILIES = ("embedded-digits", "sd3", "flux", "qwenimage")
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -171,28 +184,90 @@ def batch_records(batch) -> list[dict[str, Any]]:
     return records
 
 
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo; empty where there is none (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.split("\n\n")[0].splitlines():
+        name, _, value = line.partition(":")
+        fields[name.strip()] = value.strip()
+    return fields
+
+
+def cpu_has_avx2() -> bool:
+    flags = _cpuinfo().get("flags")
+    if flags is None:  # no /proc/cpuinfo: what torch found (capped by ATEN_CPU_CAPABILITY if set)
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return "avx2" in flags.split()
+
+
+def current_kernel_set() -> str:
+    """The kernels this process runs: torch's CPU capability and the CPU's vendor, e.g. "AVX2 AuthenticAMD"."""
+    return f"{torch.backends.cpu.get_cpu_capability()} {_cpuinfo().get('vendor_id') or platform.machine()}"
+
+
+def library_digests() -> dict[str, dict[str, str]]:
+    """The digests of every library rollout (`LIBRARY_RUNS` on each of `LIBRARY_FAMILIES`) by key,
+    run here: `test_reference_bits.py` runs it in a subprocess held to AVX2."""
+    from rollout.models.base import MicroBatching
+    from rollout.models.digits import DigitFlowPipeline
+    from rollout.models.registry import load_pipeline
+    from rollout.options import SamplingOptions
+    from rollout.sampler import sample
+    from rollout.tiny_families import FAMILY_BUILDERS  # imports transformers
+
+    pipelines = {"embedded-digits": DigitFlowPipeline.from_pretrained()}
+    digests = {}
+    with tempfile.TemporaryDirectory() as root:
+        for family in LIBRARY_FAMILIES[1:]:
+            # Two guided samples a transformer call (SD3's takes both branches: 4 rows), two images a VAE call.
+            micro_batching = MicroBatching(4 if family == "sd3" else 2, decode_default=2)
+            directory = FAMILY_BUILDERS[family](Path(root) / family)
+            pipelines[family] = load_pipeline(family, directory, device="cpu", micro_batching=micro_batching)
+        torch.set_num_threads(1)  # the served digests come from workers with one torch thread; the library's the same
+        for family, pipeline in pipelines.items():
+            for run, (prompts, seeds, fields, negatives) in sorted(LIBRARY_RUNS.items()):
+                if family == "embedded-digits":
+                    prompts = [str(len(p) % 10) for p in prompts]  # digits' own prompts
+                    fields = {**fields, "height": None, "width": None}
+                else:
+                    fields = {**fields, "height": 32, "width": 32}
+                negatives = None if negatives is None or family == "embedded-digits" else negatives * len(prompts)
+                batch = sample(pipeline, prompts, seeds, SamplingOptions(**fields), negatives, weight_version="v")
+                digests[f"library:{family}:{run}"] = field_digests(batch_records(batch))
+    return digests
+
+
 class ReferenceDigests:
-    """The committed digests; `check` compares (or, with ROLLOUT_WRITE_REFERENCE_DIGESTS=1, records)."""
+    """The committed digests by kernel set; `check` compares (or, with ROLLOUT_WRITE_REFERENCE_DIGESTS=1, records)."""
 
     def __init__(self):
-        self.capability = torch.backends.cpu.get_cpu_capability()
+        self.kernel_set = current_kernel_set()
         self.stored = json.loads(DIGESTS_FILE.read_text()) if DIGESTS_FILE.exists() else {}
 
-    def check(self, key: str, digests: dict[str, str]) -> None:
+    def check(self, key: str, digests: dict[str, str], kernel_set: str | None = None) -> None:
+        """Compares `digests` with those recorded for `key` in `kernel_set` (this process's if None)."""
+        kernel_set = kernel_set or self.kernel_set
         if WRITE:
             # Re-read: several test modules record into the one file.
             stored = json.loads(DIGESTS_FILE.read_text()) if DIGESTS_FILE.exists() else {}
-            stored["cpu_capability"] = self.capability
-            stored.setdefault("digests", {})[key] = digests
-            stored["digests"] = dict(sorted(stored["digests"].items()))
+            stored.setdefault(kernel_set, {})[key] = digests
+            stored = {name: dict(sorted(recorded.items())) for name, recorded in sorted(stored.items())}
             DIGESTS_FILE.write_text(json.dumps(stored, indent=1) + "\n")
             return
-        if self.stored.get("cpu_capability") != self.capability:
-            pytest.skip(f"reference digests are for CPU capability {self.stored.get('cpu_capability')}, this is {self.capability}")
-        expected = self.stored["digests"].get(key)
-        assert expected is not None, f"no reference digests for {key!r}; record them (see tests/reference_bits.py)"
+        recorded_in = sorted(name for name, recorded in self.stored.items() if key in recorded)
+        assert recorded_in, f"no reference digests for {key!r}; record them (see tests/reference_bits.py)"
+        if kernel_set not in recorded_in:
+            pytest.skip(f"reference digests of {key} are for kernel sets {recorded_in}, this is {kernel_set}")
+        expected = self.stored[kernel_set][key]
         changed = sorted(path for path in expected.keys() | digests.keys() if expected.get(path) != digests.get(path))
-        assert not changed, f"{key}: these fields changed bits: {changed}"
+        assert not changed, f"{key} ({kernel_set}): these fields changed bits: {changed}"
 
 
 REFERENCE = ReferenceDigests()
+
+if __name__ == "__main__":  # python -m tests.reference_bits OUT.json: the library's digests and their kernel set
+    Path(sys.argv[1]).write_text(json.dumps({"kernel_set": current_kernel_set(), "digests": library_digests()}))
