@@ -178,6 +178,9 @@ class RolloutWorker:
         # The model's defaults, filled in once: the queue groups and the sampler samples by them.
         work = dataclasses.replace(work, options=resolve_options(self.pipeline, work.options))
         options = work.options
+        # A step count the model's scheduler cannot make is the request's fault: refused here, not
+        # in a sampler call, where a failure counts toward replacing the replica.
+        self.pipeline.schedule(options.num_inference_steps, options.height, options.width, options.num_frames)
         work.check_response_size(self.pipeline.latent_shape(options.height, options.width, options.num_frames), self.config.limits)
         return await self._queue.submit(work)
 

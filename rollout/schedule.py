@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from rollout.errors import InvalidRequestError
+from rollout.errors import InvalidRequestError, short_repr
 
 if TYPE_CHECKING:
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -103,6 +103,13 @@ class ScheduleSnapshot:
             own_scheduler.set_timesteps(num_steps, device="cpu", mu=mu)
         else:
             own_scheduler.set_timesteps(device="cpu", sigmas=sigmas, mu=mu)
+        if not torch.isfinite(own_scheduler.sigmas).all():
+            # Qwen-Image's scheduler at 1 step: shift_terminal stretches the schedule by 0 / 0.
+            raise InvalidRequestError(
+                "num_inference_steps",
+                f"{type(scheduler).__name__} with this model's config makes no finite schedule of {num_steps} "
+                f"steps (sigmas {short_repr(own_scheduler.sigmas.tolist())}); ask for more steps",
+            )
         timesteps = own_scheduler.timesteps.detach().clone()
         return cls(
             sigmas=own_scheduler.sigmas.detach().clone(),

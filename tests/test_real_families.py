@@ -391,6 +391,14 @@ def test_sizes_the_model_cannot_make_are_refused(pipelines, family):
         pipelines(family).latent_shape(72, 64)
 
 
+def test_a_step_count_whose_schedule_is_not_finite_is_refused_naming_the_field(pipelines):
+    # A counterexample of benchmarks.properties: Qwen-Image's shift_terminal stretches a schedule of
+    # one step by 0 / 0, and the sigmas were [nan, 0].
+    with pytest.raises(InvalidRequestError, match="num_inference_steps.*no finite schedule of 1 steps"):
+        pipelines("qwenimage").schedule(1, 32, 32)
+    assert torch.isfinite(pipelines("qwenimage").schedule(2, 32, 32).sigmas).all()
+
+
 def test_the_family_is_read_from_model_index(tiny_family_dirs):
     for family, path in tiny_family_dirs.items():
         assert resolve_model(None, path) == (family, path)
