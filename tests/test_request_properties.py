@@ -1,0 +1,32 @@
+"""The request space as a property test, in the library (`benchmarks/properties.py`): every kept
+counterexample, then generated valid requests on the embedded model and each tiny family, each
+checked for every guarantee against formulas written in the checker. The budget and Hypothesis's
+seed are in each test's id; `python -m benchmarks.properties --examples N` runs a large budget."""
+
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+
+from benchmarks.properties import MODELS, REGRESSIONS, Case, cases, check_case
+
+SEED = 44
+# Generated requests per model: a few minutes in all on 2 cores (a family's case costs several of
+# the embedded model's).
+BUDGET = {"digits": 25, "sd3": 2, "flux": 2, "qwenimage": 2, "wan": 1, "ltx": 1}
+
+
+@pytest.mark.parametrize("case", REGRESSIONS, ids=[f"{case.model}-{i}" for i, case in enumerate(REGRESSIONS)])
+def test_every_counterexample_ever_found_keeps_every_guarantee(case: Case):
+    check_case(case)
+
+
+@pytest.mark.parametrize("model", list(MODELS), ids=[f"{model}-budget{BUDGET[model]}-seed{SEED}" for model in MODELS])
+def test_generated_requests_keep_every_guarantee(model: str):
+    print(f"{BUDGET[model]} generated requests on {model}, Hypothesis seed {SEED}")
+
+    @seed(SEED)
+    @settings(max_examples=BUDGET[model], deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(cases((model,)))
+    def every_guarantee_holds(case: Case) -> None:
+        check_case(case)
+
+    every_guarantee_holds()
