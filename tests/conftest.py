@@ -54,6 +54,18 @@ def tiny_video_dirs(tmp_path_factory) -> dict:
     return {name: build(root / name) for name, build in VIDEO_BUILDERS.items()}
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Torch on one thread for the test. The guarantees hold at any thread count; with one, the many
+    small model calls of the property tests run several times faster on this project's 2-core
+    machine, where two threads wait on each other (measured: 0.5 s against 8 s a case while another
+    process held a core)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(items):
     """The README test first: it runs the README's commands against `make serve` as on a reader's
     machine, with the only Ray cluster there is (two local clusters share Ray's fixed dashboard-agent

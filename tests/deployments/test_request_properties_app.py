@@ -17,7 +17,8 @@ from rollout.schema import parse_request
 from tests.deployments.test_http import post
 
 SEED = 44
-BUDGET = 8
+BUDGET = 40
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
