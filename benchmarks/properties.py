@@ -17,7 +17,9 @@ checked against formulas written here in float64, not against the code under tes
   against the request's chunks sampled apart, the object store's round trip, a dataset's write
   and load, each leaf regrown alone;
 - in a tree, each pair of leaves bit-identical up to the branch step where their paths part, and
-  different from there on.
+  different from there on;
+- the transformer rows computed, and the `transformer_rows` a client is told (`rollout.cost`),
+  against the tree's own count of live nodes per step.
 
 `tests/test_request_properties.py` runs a small budget of cases; the served paths (HTTP msgpack ==
 JSON == handle) are `tests/deployments/test_request_properties_app.py`'s. For a large budget:
@@ -47,6 +49,7 @@ from hypothesis import HealthCheck, given, reject, seed, settings
 from hypothesis import strategies as st
 
 from rollout.calibration import require_batch_invariance
+from rollout.cost import transformer_cost
 from rollout.dataset import PER_SAMPLE_TENSORS, RolloutDatasetWriter, load_rollouts
 from rollout.errors import ModelLoadError
 from rollout.models.base import BatchInvariance, MicroBatching
@@ -54,7 +57,7 @@ from rollout.models.registry import load_pipeline
 from rollout.options import MAX_SEED
 from rollout.plan import RequestLimits, plan_rollout
 from rollout.replay import replay_log_probs, replayable_steps
-from rollout.sampler import resolve_options, sample_tree
+from rollout.sampler import micro_batch_size, resolve_options, sample_tree
 from rollout.schema import parse_request
 from rollout.trajectory import RolloutBatch, SampleTrajectory
 from rollout.tree import Branching, TreeRoot
@@ -298,6 +301,7 @@ class Served:
     roots: list[TreeRoot]
     options: Any
     batch: RolloutBatch
+    transformer_rows: int
 
 
 def serve_case(case: Case, **option_changes) -> Served:
@@ -307,7 +311,8 @@ def serve_case(case: Case, **option_changes) -> Served:
     plan = plan_rollout(parse_request(case.body), LIMITS)
     options = dataclasses.replace(resolve_options(pipeline, plan.options), **option_changes)
     roots = [root for work in plan.work(len(plan.seeds)) for root in work.roots()]
-    return Served(roots, options, sample_tree(pipeline, roots, options, weight_version="properties").batch)
+    call = sample_tree(pipeline, roots, options, weight_version="properties")
+    return Served(roots, options, call.batch, call.transformer_rows)
 
 
 def _configured(case: Case):
@@ -349,6 +354,7 @@ def check_case(case: Case) -> None:
     check_dataset(batch)
     check_leaves_grown_alone(case, served)
     check_tree(case.body, full.batch, steps)
+    check_cost(case, served)
 
 
 def check_shapes(batch: RolloutBatch, options) -> None:
@@ -543,6 +549,32 @@ def check_tree(body: dict[str, Any], full: RolloutBatch, steps: int) -> None:
                 expect(torch.equal(a.debug.model_outputs[: step + 1], b.debug.model_outputs[: step + 1]), f"{where}: shared velocities differ")
                 expect(not torch.equal(a.latents[step + 1], b.latents[step + 1]), f"{where}: x_(b+1) is the same")
                 expect(not torch.equal(a.debug.variance_noises[step], b.debug.variance_noises[step]), f"{where}: the same noise")
+
+
+def check_cost(case: Case, served: Served) -> None:
+    """The rows the transformer computed, and what the client is told (`rollout.cost`), against the
+    tree's own count: at step s each root has one live node per path through the branch steps
+    before s (its velocity at a branch step is its parent's, computed once), and a call's rows are
+    padded to whole micro-batches unless the kernels keep invariance."""
+    pipeline = _configured(case)
+    samples_per_call = micro_batch_size(pipeline, served.options)
+    kernels = case.invariance == BatchInvariance.KERNELS.value
+
+    def padded(rows: int) -> int:
+        return rows if kernels else math.ceil(rows / samples_per_call) * samples_per_call
+
+    branch_steps, factors = case.body.get("rollout_branch_steps", []), case.body.get("rollout_branch_factors", [])
+    steps = served.options.num_inference_steps
+    live = [math.prod(f for b, f in zip(branch_steps, factors) if b < step) for step in range(steps)]
+    expected = sum(padded(len(served.roots) * nodes) for nodes in live)
+    told = transformer_cost(pipeline, served.roots, served.options)
+    expect(told.transformer_rows_unbranched == steps * padded(len(served.batch.samples)), "transformer_rows_unbranched")
+    if case.model == "qwenimage":  # prompts of several text buckets run in calls of their own
+        expect(served.transformer_rows >= expected, f"{served.transformer_rows} transformer rows, fewer than {expected}")
+        expect(told.transformer_rows == expected, f"transformer_rows told {told.transformer_rows}, not {expected}")
+    else:
+        expect(served.transformer_rows == told.transformer_rows == expected,
+               f"transformer rows: computed {served.transformer_rows}, told {told.transformer_rows}, expected {expected}")
 
 
 # Kept counterexamples: each found a defect once, and runs first in the test and the benchmark.
