@@ -603,6 +603,16 @@ REGRESSIONS = (
                 lora=True, invariance="kernels", micro_batch_size=2, companions=(("a cat", 0, Branching()),)),
 )
 
+# Counterexamples whose defect is still open: each still breaks a guarantee (the suite holds it so
+# with a strict xfail, which fails the day the defect is fixed, so it moves to REGRESSIONS).
+OPEN_COUNTEREXAMPLES = (
+    # A served LoRA on Wan at 1 frame: the second sample of a padded call of 2 gets other bits than
+    # alone. The worker's start-up check runs before any LoRA, at the default frame count.
+    _regression("wan", {"prompt": ["a cat", "a cat"], "seed": 0, "num_inference_steps": 1, "height": 16, "width": 16,
+                        "num_frames": 1, "rollout_noise_level": 0.0, "num_outputs_per_prompt": 1},
+                lora=True, micro_batch_size=2, chunk_size=1),
+)
+
 
 def run(examples: int, hypothesis_seed: int, models: tuple[str, ...]) -> dict[str, Any]:
     """Checks the kept counterexamples, then `examples` generated cases; raises on the first
