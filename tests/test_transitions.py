@@ -7,6 +7,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from benchmarks.properties import reference_transition
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 from rollout.transitions import (
     LogProbForm,
@@ -20,20 +21,8 @@ SHAPE = (3, 1, 4, 4)
 
 
 def reference_step(kind, x, v, s, s_next, eta, sigma_after_one, eps):
-    """float64 numpy: returns (mean, noise std of x_next, x_next)."""
-    dt = s_next - s
-    if kind == "ode":
-        mean = x + dt * v
-        return mean, 0.0, mean
-    if kind == "sde":
-        s_prime = sigma_after_one if s == 1 else s
-        std = eta * math.sqrt(s / (1 - s_prime))
-        mean = x * (1 + std**2 * dt / (2 * s)) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
-        noise_std = std * math.sqrt(-dt)
-    else:  # cps
-        std = s_next * math.sin(eta * math.pi / 2)
-        mean = (x - s * v) * (1 - s_next) + (x + (1 - s) * v) * math.sqrt(s_next**2 - std**2)
-        noise_std = std
+    """float64 numpy: returns (mean, noise std of x_next, x_next), by the property test's formulas."""
+    mean, noise_std = reference_transition(kind, x, v, s, s_next, eta, sigma_after_one)
     return mean, noise_std, mean + noise_std * eps
 
 
