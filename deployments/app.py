@@ -26,6 +26,8 @@ from deployments.routing import FewestSamplesRouter
 from deployments.scorer import ScorerReplica
 from deployments.weights import WeightCoordinator
 from deployments.worker import RolloutWorker
+from rollout.errors import ModelLoadError
+from rollout.models.registry import check_model_directory
 
 # Serve checks a stopping replica for requests in flight every 2 s by default, and stops the three
 # deployments one after the other, so each took at least 2 s of a Ctrl-C's wait.
@@ -56,12 +58,26 @@ class BuildAppError(AppConfigError, click.ClickException):
         click.ClickException.__init__(self, str(error))  # sets what click prints, and how
 
 
+def checked_app_config(args: dict[str, Any] | RolloutAppConfig | None) -> RolloutAppConfig:
+    """`args` as `RolloutAppConfig`, and its model directory checked unless `check_path_at_build` is
+    off (`check_model_directory`: milliseconds, no weights read). The directory check is here, not
+    in the config's validators, because it imports the model families, which the ingress (a reader
+    of the config) never does. Raises `AppConfigError` naming the field."""
+    config = RolloutAppConfig.parse(args)
+    if config.model.path is not None and config.model.check_path_at_build:
+        try:
+            check_model_directory(config.model.name, config.model.path)
+        except ModelLoadError as error:
+            raise AppConfigError(error.field, error.reason) from None
+    return config
+
+
 def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Application:
     """The ingress bound to `num_worker_replicas` workers; `args` is validated as `RolloutAppConfig`
     (an `AppConfigError` naming the field if it breaks a rule). Dotted keys set nested fields, so
     `serve run deployments.app:build_app model.path=/models/x` serves a diffusers directory."""
     try:
-        config = RolloutAppConfig.parse(args)
+        config = checked_app_config(args)
     except AppConfigError as error:
         raise BuildAppError(error) from None
     coordinator = WeightCoordinator.options(

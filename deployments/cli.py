@@ -144,8 +144,10 @@ def app_config(arguments: argparse.Namespace) -> tuple[RolloutAppConfig, dict]:
     if "path" in fields.get("model", {}) and "name" in args.get("model", {}) and "name" not in fields["model"]:
         # The path names the family; the file's embedded model name would contradict it.
         args = {**args, "model": {k: v for k, v in args["model"].items() if k != "name"}}
+    from deployments.app import checked_app_config
+
     try:
-        config = RolloutAppConfig.parse(_merged({"probe_port": PROBE_PORT, **args}, fields))
+        config = checked_app_config(_merged({"probe_port": PROBE_PORT, **args}, fields))
     except AppConfigError as error:
         raise SystemExit(f"app config: {error}") from None
     host = arguments.host or http_options.get("host", HTTP_HOST)

@@ -30,7 +30,7 @@ from rollout.errors import (
     short_repr,
 )
 from rollout.models.base import MicroBatching
-from rollout.models.registry import EMBEDDED_MODEL, check_model_choice, check_model_directory
+from rollout.models.choice import EMBEDDED_MODEL, check_model_choice
 from rollout.plan import RequestLimits
 from rollout.schema import RequestValidation
 from rollout.scorers.registry import BUILT_IN as BUILT_IN_SCORERS
@@ -116,8 +116,6 @@ class ModelConfig(BaseModel):
     def _loadable(self) -> "ModelConfig":
         try:
             check_model_choice(self.name, self.path, self.max_sequence_length, self.vae_tiling)
-            if self.path is not None and self.check_path_at_build:
-                check_model_directory(self.name, self.path)
         except ModelLoadError as error:
             raise ValueError(f"{error.field.removeprefix('model.')}: {error.reason}") from None
         return self

@@ -29,6 +29,7 @@ from rollout.models.base import (
     check_image_frames,
     check_single_denoiser,
 )
+from rollout.models.choice import EMBEDDED_MODEL
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
@@ -120,7 +121,7 @@ def images_to_latents(images: torch.Tensor) -> torch.Tensor:
 class DigitFlowPipeline:
     """`RolloutPipeline` for the embedded digits model."""
 
-    name = "embedded-digits"
+    name = EMBEDDED_MODEL
     batches_guidance_branches = True
 
     def __init__(

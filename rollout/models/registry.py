@@ -16,9 +16,8 @@ import torch
 
 from rollout.errors import ModelLoadError
 from rollout.models.base import MicroBatching, RolloutPipeline
+from rollout.models.choice import EMBEDDED_MODEL, check_model_choice
 from rollout.models.digits import DEFAULT_WEIGHTS, DigitFlowPipeline
-
-EMBEDDED_MODEL = DigitFlowPipeline.name
 
 
 def _families() -> dict[str, type]:
@@ -39,20 +38,6 @@ def _families() -> dict[str, type]:
 
 def available_models() -> list[str]:
     return sorted([EMBEDDED_MODEL, *_families()])
-
-
-def check_model_choice(
-    name: str | None, path: str | Path | None, max_sequence_length: int | None = None, vae_tiling: bool | None = None
-) -> None:
-    """The rules a model's name, directory, text length and VAE tiling meet without looking at
-    the directory (`check_model_directory` looks); raises `ModelLoadError` naming the field."""
-    embedded = name == EMBEDDED_MODEL or (name is None and path is None)
-    if embedded and max_sequence_length is not None:
-        raise ModelLoadError("model.max_sequence_length", "the embedded model has no text encoder")
-    if embedded and vae_tiling is not None:
-        raise ModelLoadError("model.vae_tiling", "the embedded model has no VAE (it samples pixels)")
-    if not embedded and path is None:
-        raise ModelLoadError("model.path", f"model {name!r} loads from a local diffusers directory: set model.path")
 
 
 def resolve_model(name: str | None, path: str | Path | None = None) -> tuple[str, Path]:
