@@ -20,6 +20,11 @@ class MemoryReleasedError(RolloutError):
     """The replica released its memory (`release_memory_occupation`) and samples nothing until resumed."""
 
 
+class MemoryCommandError(RolloutError):
+    """A worker replica failed to release or resume its memory (the handle API; over HTTP the
+    answer says `"success": false` with each replica's message)."""
+
+
 @dataclass(frozen=True)
 class ReleaseMemory(Command):
     """Move the weights to the CPU; the replica samples nothing until `ResumeMemory`."""

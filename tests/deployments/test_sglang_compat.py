@@ -406,3 +406,17 @@ def test_sglang_mode_ignores_unknown_fields_and_coerces(http, lenient_url):
     # Values are still checked: 400 as in SGLang.
     response = http.post(f"{lenient_url}/rollout/generate", json={**body, "rollout_noise_level": -1})
     assert response.status_code == 400
+
+
+def test_every_route_that_acts_has_its_handle_twin():
+    """A trainer inside Ray does through the handle whatever an HTTP client can do: each POST route
+    has, beside it in its concern's mixin, a method named as its path's last part. (GET routes are
+    views of the handle's `info`.)"""
+    from deployments.ingress import CONCERNS
+
+    routes = [(mixin, endpoint.http_route) for mixin in CONCERNS for endpoint in vars(mixin).values()
+              if hasattr(endpoint, "http_route")]
+    actions = [(mixin, path) for mixin, (method, path) in routes if method == "POST"]
+    assert len(actions) >= 6, routes
+    missing = [path for mixin, path in actions if not callable(vars(mixin).get(path.rsplit("/", 1)[-1]))]
+    assert missing == []

@@ -22,6 +22,7 @@ from ray.util.state import list_actors
 from safetensors.torch import save_file
 
 from deployments.app import build_app
+from deployments.memory import MemoryReleasedError
 from deployments.weights import ObjectStoreTensors
 from rollout.codec import TensorEncoder, from_msgpack
 from rollout.models.digits import DEFAULT_WEIGHTS
@@ -341,6 +342,17 @@ def test_release_and_resume_memory_occupation(app, base, http):
     assert http.post(f"{app.url}/resume_memory_occupation").json()["success"] is True
     response = http.post(f"{app.url}/rollout/generate", json=body)
     assert response.status_code == 200 and from_msgpack(response.content)[0]["weight_version"] == "base"
+
+
+def test_release_and_resume_memory_occupation_through_the_handle(app, base):
+    request = {"prompt": "5", "num_inference_steps": 2, "rollout_debug_mode": False}
+    released = app.handle.release_memory_occupation.remote().result()
+    assert len(released) == 2 and all(message.startswith("released") for message in released.values()), released
+    with pytest.raises(MemoryReleasedError):
+        app.handle.generate.remote(request).result().batch()
+    resumed = app.handle.resume_memory_occupation.remote().result()
+    assert len(resumed) == 2 and all(message.startswith("resumed") for message in resumed.values()), resumed
+    assert {s.weight_version for s in app.handle.generate.remote(request).result().batch().samples} == {"base"}
 
 
 def test_a_replica_that_restarts_catches_up(app, base):
