@@ -67,7 +67,8 @@ def one_torch_thread():
 
 
 def pytest_collection_modifyitems(items):
-    """The README test first: it runs the README's commands against `make serve` as on a reader's
-    machine, with the only Ray cluster there is (two local clusters share Ray's fixed dashboard-agent
-    port, so the second one's jobs API cannot submit, and Ray's CLI asks which cluster to use)."""
+    """The README test first: it runs the commands of the README and the docs pages against `make
+    serve` as on a reader's machine, with the only Ray cluster there is (two local clusters share
+    Ray's fixed dashboard-agent port, so the second one's jobs API cannot submit, and Ray's CLI
+    asks which cluster to use)."""
     items.sort(key=lambda item: item.path.name != "test_readme.py")

@@ -1,12 +1,12 @@
-"""Every command in the README runs as written: its shell and Python blocks, in the README's
-order, against `make serve` started from this checkout, as a reader with a second terminal runs
-them.
+"""Every command in the README and the docs/ pages runs as written: their shell and Python
+blocks, the README's first and then each page's (docs/*.md, by name), each in its page's order,
+against one `make serve` started from this checkout, as a reader with a second terminal runs them.
 
 A reader pastes one Python block, not every block above it: each runs in a fresh interpreter of
-its own, or opens with one line naming the blocks it continues, by their sections' titles, and the
-names it takes from them:
+its own, or opens with one line naming the blocks of the same page it continues, by their
+sections' titles, and the names it takes from them:
 
-    # continues the block "Handle API" above: uses handle and trainer_model
+    # continues the block "Over HTTP" above: uses tree and torch
 
 Such a block runs in the interpreter of the first block it continues (directly or through
 another), in a copy of the namespace that block left: the other blocks it continues run again in
@@ -18,6 +18,10 @@ server too.
 Each `bash` and `python` block is marked on the line before it: `<!-- readme-test: run -->`, or
 `<!-- readme-test: skip: <why> -->` for one that cannot run here (a GPU, a cluster, a second
 server on port 8000). A block without a mark fails the test, so a new one is not left out unseen.
+
+Every relative link and image between the pages resolves, to a file and, after `#`, to a heading
+of it; every path of this repository that a page names in backticks exists; every docs/ page is
+reached from the README by links.
 
 A reader has one Ray cluster, which `ray job submit` and `ray.init("auto")` find alone, and
 whose dashboard agent has Ray's fixed port: `tests/conftest.py` runs this test first, before the
@@ -48,6 +52,8 @@ from benchmarks.reliability import answers_when_stopped
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 README = REPOSITORY / "README.md"
+# The README first, then the docs pages by name: the order their blocks run in.
+PAGES = [README, *sorted((REPOSITORY / "docs").glob("*.md"))]
 VENV_PYTHON = REPOSITORY / ".venv/bin/python"
 FENCE = re.compile(r"^(?P<indent> *)```(?P<language>\w*)\s*$")
 MARK = re.compile(r"^\s*<!-- readme-test: (?:(?P<run>run)|skip: (?P<reason>.+)) -->\s*$")
@@ -93,6 +99,7 @@ for line in sys.stdin:
 
 @dataclass
 class Block:
+    page: str  # its page's path in the repository
     line: int  # of its opening fence, 1-based
     language: str
     source: str
@@ -103,7 +110,7 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page}:{self.line}"
 
     def chain(self) -> list["Block"]:
         """The blocks a reader pastes, in the README's order, to run this one: those it continues,
@@ -114,8 +121,18 @@ class Block:
         return [found[line] for line in sorted(found)]
 
 
-def readme_blocks() -> list[Block]:
-    lines = README.read_text().splitlines()
+def page_name(page: Path) -> str:
+    return str(page.relative_to(REPOSITORY))
+
+
+def all_blocks() -> list[Block]:
+    """Every page's shell and Python blocks, in the order they run."""
+    return [block for page in PAGES for block in page_blocks(page)]
+
+
+def page_blocks(page: Path) -> list[Block]:
+    lines = page.read_text().splitlines()
+    name = page_name(page)
     blocks, number, section = [], 0, ""
     while number < len(lines):
         fence = FENCE.match(lines[number])
@@ -128,12 +145,12 @@ def readme_blocks() -> list[Block]:
         if fence["language"] in ("bash", "python"):
             mark = MARK.match(lines[number - 1]) if number else None
             assert mark, (
-                f"README.md:{number + 1}: a {fence['language']} block without a readme-test mark on the line before"
+                f"{name}:{number + 1}: a {fence['language']} block without a readme-test mark on the line before"
             )
             indent = len(fence["indent"])
             source = "\n".join(line[indent:] for line in lines[number + 1 : end]) + "\n"
             blocks.append(
-                Block(number + 1, fence["language"], source, None if mark["run"] else mark["reason"], section)
+                Block(name, number + 1, fence["language"], source, None if mark["run"] else mark["reason"], section)
             )
         number = end + 1
     for block in blocks:
@@ -186,8 +203,10 @@ def names_bound(source: str) -> set[str]:
 
 
 def test_every_shell_and_python_block_is_marked_and_skips_say_why():
-    blocks = readme_blocks()
-    assert len([b for b in blocks if b.skip_reason is None]) >= 6
+    blocks = all_blocks()
+    # The README's three ways to call the server (HTTP, the handle, a job) run, and the pages' blocks.
+    assert len([b for b in page_blocks(README) if b.skip_reason is None]) >= 3
+    assert len([b for b in blocks if b.skip_reason is None]) >= 10
     assert all(len(b.skip_reason) > 20 for b in blocks if b.skip_reason is not None)
 
 
@@ -195,7 +214,7 @@ def test_each_python_block_reads_only_its_own_names_or_those_of_the_blocks_it_sa
     """The names part of the rule, without a server: a block that reads `requests` or `handle` from a
     block above it says so on its first line, and its line lists exactly what it takes."""
     wrong = []
-    for block in readme_blocks():
+    for block in all_blocks():
         if block.language != "python":
             continue
         needed = names_read_not_bound(block.source)
@@ -208,6 +227,89 @@ def test_each_python_block_reads_only_its_own_names_or_those_of_the_blocks_it_sa
         elif block.uses != needed:
             wrong.append(f"{block.name}'s first line says it uses {sorted(block.uses)}; it reads {sorted(needed)}")
     assert not wrong, "\n".join(wrong)
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\((?P<target>[^)\s]+)\)")
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+REPOSITORY_PATH = re.compile(r"^[\w.-]+(?:/[\w.-]+)*/?$")
+
+
+def prose_lines(page: Path) -> list[tuple[int, str]]:
+    """A page's lines outside fenced blocks, with their 1-based numbers."""
+    lines, inside, prose = page.read_text().splitlines(), False, []
+    for number, line in enumerate(lines, 1):
+        if line.strip().startswith("```"):
+            inside = not inside
+        elif not inside:
+            prose.append((number, line))
+    return prose
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as
+    hyphens, and -1, -2, ... after a repeated one."""
+    seen: dict[str, int] = {}
+    for _, line in prose_lines(page):
+        heading = HEADING.match(line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading["title"].lower()).replace(" ", "-")
+            seen[slug] = seen.get(slug, -1) + 1
+            if seen[slug]:
+                seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+def links(page: Path) -> list[tuple[int, str, Path, str]]:
+    """Each relative link or image of a page: its line, its text, the file and the anchor it names."""
+    found = []
+    for number, line in prose_lines(page):
+        for link in LINK.finditer(line):
+            target = link["target"]
+            if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            found.append((number, target, (page.parent / path).resolve() if path else page, anchor))
+    return found
+
+
+def test_links_between_the_pages_resolve_to_files_and_headings():
+    wrong = []
+    for page in PAGES:
+        for number, target, file, anchor in links(page):
+            where = f"{page_name(page)}:{number}: ({target})"
+            if not file.exists() or not file.is_relative_to(REPOSITORY):
+                wrong.append(f"{where}: no file {file}")
+            elif anchor and (file.suffix != ".md" or anchor not in anchors(file)):
+                wrong.append(f"{where}: no heading #{anchor} in {page_name(file)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_docs_page_is_reached_from_the_readme():
+    reached, todo = {README}, [README]
+    while todo:
+        for _, _, file, _ in links(todo.pop()):
+            if file.suffix == ".md" and file.exists() and file not in reached:
+                reached.add(file)
+                todo.append(file)
+    assert not set(PAGES) - reached, sorted(page_name(page) for page in set(PAGES) - reached)
+
+
+def test_the_repository_paths_the_pages_name_exist():
+    """A path in backticks whose first folder is one of this repository's (`rollout/kernels.py`,
+    `tests/test_replay.py::test_...`, `deployments/app.py:build_app`) names a file or folder here."""
+    folders = {path.name for path in REPOSITORY.iterdir() if path.is_dir() and not path.name.startswith(".venv")}
+    folders -= {"outputs", ".git"}
+    wrong = []
+    for page in PAGES:
+        for number, line in prose_lines(page):
+            for span in CODE_SPAN.findall(line):
+                for word in span.split():
+                    path = re.sub(r"(::|:)[\w.]*$", "", word).rstrip(",;")
+                    if "/" not in path or not REPOSITORY_PATH.match(path) or path.split("/")[0] not in folders:
+                        continue
+                    if not (REPOSITORY / path).exists():
+                        wrong.append(f"{page_name(page)}:{number}: {path}")
+    assert not wrong, "no such path here:\n" + "\n".join(wrong)
 
 
 def reader_environment() -> dict:
@@ -273,7 +375,7 @@ def job_output_moved_aside(tmp_path):
         shutil.move(kept, JOB_OUTPUT)
 
 
-def test_the_readme_runs_as_written_against_make_serve(job_output_moved_aside):
+def test_the_readme_and_the_docs_run_as_written_against_make_serve(job_output_moved_aside):
     assert VENV_PYTHON.exists(), "the README's commands use .venv: run the suite with `make test`"
     env = reader_environment()
     server = subprocess.Popen(
@@ -288,14 +390,14 @@ def test_the_readme_runs_as_written_against_make_serve(job_output_moved_aside):
         text=True,
     )
     served = Output(server.stdout)
-    sessions: dict[int, tuple[subprocess.Popen, Output]] = {}  # by the line of the block each began with
+    sessions: dict[str, tuple[subprocess.Popen, Output]] = {}  # by the name of the block each began with
     try:
         ready = served.wait_for(lambda line: line.startswith("serving application"), server, START_TIMEOUT_S, "serving")
         ready_at = time.monotonic()
         assert "model embedded-digits (packaged weights)" in ready and "on http://127.0.0.1:8000" in ready, ready
         assert "(probes: http://127.0.0.1:8001)" in ready, ready
         assert re.search(r"Ray at 127\.0\.0\.1:\d+;", ready), ready
-        for block in readme_blocks():
+        for block in all_blocks():
             if block.skip_reason is not None:
                 print(f"{block.name}: skipped: {block.skip_reason}")
                 continue
@@ -352,7 +454,7 @@ def _run_shell_block(block: Block, env: dict) -> None:
     )
 
 
-def _run_python_block(block: Block, sessions: dict[int, tuple[subprocess.Popen, Output]], env: dict) -> None:
+def _run_python_block(block: Block, sessions: dict[str, tuple[subprocess.Popen, Output]], env: dict) -> None:
     """Runs a block that continues none in a fresh interpreter, and one that continues others in the
     interpreter of the first of them, after the others."""
     first, *rest = block.chain()
@@ -366,9 +468,9 @@ def _run_python_block(block: Block, sessions: dict[int, tuple[subprocess.Popen, 
             stderr=subprocess.STDOUT,
             text=True,
         )
-        sessions[block.line] = session, Output(session.stdout)
+        sessions[block.name] = session, Output(session.stdout)
         rest = [block]
-    session, output = sessions[first.line]
+    session, output = sessions[first.name]
     session.stdin.write(json.dumps([{"name": b.name, "source": b.source} for b in rest]) + "\n")
     session.stdin.flush()
     done = output.wait_for(
