@@ -2,7 +2,7 @@
 
 The request is SGLang's diffusion rollout API (0.5.23,
 `sglang/multimodal_gen/runtime/entrypoints/post_training/io_struct.py`), so a trainer written for
-it works unchanged; this server's extensions are extra fields beside SGLang's (README, "Coming
+it works unchanged; this server's extensions are extra fields beside SGLang's (docs/http_api.md, "Coming
 from SGLang"). Plain pydantic, no Ray: the HTTP route and the deployment-handle method both parse
 with `parse_request`, so a Python dict, a pydantic object and a JSON body take the same path.
 
