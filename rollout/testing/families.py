@@ -79,7 +79,8 @@ class TinyFamily:
     """A tiny copy of a family and the settings the tests, benchmarks and GPU check run it with.
 
     Attributes:
-        name: the copy's name: test ids, fixture keys and directory names.
+        name: the copy's name: test ids, fixture keys and directory names. An image family has
+            one copy, named as its model (tests load it by that name).
         family: the runtime class (`rollout.models`) that serves it; its `name` is the model the
             registry loads the copy as (Wan's three layouts are all model `wan`).
         builder: the function of `rollout.testing.builders` that saves the copy; None: the
@@ -89,7 +90,7 @@ class TinyFamily:
             tests choose their own).
         trained: the guidance the published model samples with in training (Flow-GRPO's, or the
             pipeline's default): what the GPU check and `benchmarks.bf16_paths` run.
-        frames: the frames of the tests' small videos; 1 for an image family.
+        frames: the frames of the tests' small videos; 1 for an image family (`video` is False).
         token_pixels: the pixels a side of one transformer token (VAE factor x patch): sizes
             must be multiples of it.
         tiled_size: a (height, width) above the VAE's tile size, where a decode cuts tiles and
@@ -137,8 +138,6 @@ class TinyFamily:
 
         return getattr(builders, self.builder)(path, **widths)
 
-
-_WAN_REQUESTS = RequestSpace(WORDS, budget=6, sizes=(16, 32), frames=(1, 5), guidance_scales=(None, 1.0, 5.0))
 
 TINY_FAMILIES: dict[str, TinyFamily] = {
     record.name: record
@@ -194,7 +193,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             trained={"guidance_scale": 5.0},
             frames=5,  # two of Wan's latent frames
             tiled_size=(288, 320),  # Wan's VAE tiles 256 px
-            requests=_WAN_REQUESTS,
+            requests=RequestSpace(WORDS, budget=6, sizes=(16, 32), frames=(1, 5), guidance_scales=(None, 1.0, 5.0)),
             # Two videos timed, with no calibration or batch sizes.
             gpu_check=GpuCheck("wan21_t2v_1_3b", budget_weight=0.6),
         ),
