@@ -10,7 +10,7 @@ final latents between:
 
     .venv/bin/python -m benchmarks.bf16_paths --steps 4 10
 
-It runs on the tiny random-weight copies the tests build (`rollout/tiny_families.py`): their
+It runs on the tiny random-weight copies the tests build (`rollout.testing.families`): their
 numbers say how the two paths differ, not how large the difference is on real weights; the GPU
 check (`scripts/gpu_check.py`) measures the real-size one.
 """
@@ -27,17 +27,16 @@ from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import sample
+from rollout.testing.families import IMAGE_FAMILIES, TINY_FAMILIES
 from rollout.transitions import TransitionKind
 
 PROMPTS = ["a red cube on a table", "a lighthouse in a storm at night"]
 SEEDS = [0, 1]
 SIZE = 64
-GUIDANCE = {"sd3": {"guidance_scale": 4.5}, "flux": {"guidance_scale": 3.5}, "qwenimage": {"true_cfg_scale": 4.0}}
 
 
-def final_latents(path: Path, dtype: torch.dtype, steps: int, family: str) -> dict[str, torch.Tensor]:
+def final_latents(path: Path, dtype: torch.dtype, steps: int, guidance: dict) -> dict[str, torch.Tensor]:
     pipeline = load_pipeline(None, path, device="cpu", dtype=dtype, micro_batching=MicroBatching(len(PROMPTS)))
-    guidance = GUIDANCE[family]
     options = SamplingOptions(num_inference_steps=steps, height=SIZE, width=SIZE, sde_type=TransitionKind.ODE, **guidance)
     negative = [""] * len(PROMPTS)
     rollout = sample(pipeline, PROMPTS, SEEDS, options, negative_prompts=negative)
@@ -54,16 +53,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, nargs="+", default=[4, 10])
     args = parser.parse_args()
-    from rollout.tiny_families import FAMILY_BUILDERS
 
     print("| family | steps | rollout bf16 vs pipeline bf16 | rollout bf16 vs pipeline fp32 | pipeline bf16 vs pipeline fp32 | rollout fp32 vs pipeline fp32 |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
-        for family, build in FAMILY_BUILDERS.items():
-            path = build(Path(scratch) / family)
+        for family in IMAGE_FAMILIES:
+            record = TINY_FAMILIES[family]
+            path = record.build(Path(scratch) / family)
             for steps in args.steps:
-                bf16 = final_latents(path, torch.bfloat16, steps, family)
-                fp32 = final_latents(path, torch.float32, steps, family)
+                bf16 = final_latents(path, torch.bfloat16, steps, record.trained)
+                fp32 = final_latents(path, torch.float32, steps, record.trained)
 
                 def gap(a, b):
                     return f"{(a - b).abs().max().item():.2e}"

@@ -1,6 +1,6 @@
 """Which call sizes padding can keep a sample's bits at: `check_batch_invariance` under padding.
 
-For each tiny family (`rollout/tiny_families.py`) and call size, a call of that many rows against
+For each tiny image family (`rollout.testing.families`) and call size, a call of that many rows against
 the same rows each moved one position on, in the transformer (T) and the VAE (V): a letter marks a
 model that gave a row other bits at another position in the call. This is what each worker of an
 image family checks at start, and what `calibrate` passes over.
@@ -19,7 +19,7 @@ import torch
 from rollout.calibration import UNGUIDED, check_batch_invariance
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
-from rollout.tiny_families import FAMILY_BUILDERS
+from rollout.testing.families import IMAGE_FAMILIES, TINY_FAMILIES
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
@@ -36,8 +36,8 @@ def main() -> None:
     print("| family | " + " | ".join(map(str, SIZES)) + " |")
     print("|---" * (len(SIZES) + 1) + "|")
     with tempfile.TemporaryDirectory() as root:
-        for name, build in FAMILY_BUILDERS.items():
-            pipeline = load_pipeline(None, build(Path(root) / name, **widened))
+        for name in IMAGE_FAMILIES:
+            pipeline = load_pipeline(None, TINY_FAMILIES[name].build(Path(root) / name, **widened))
             marks = []
             for rows in SIZES:
                 pipeline.micro_batching = MicroBatching(rows)

@@ -53,12 +53,13 @@ from rollout.cost import transformer_cost
 from rollout.dataset import PER_SAMPLE_TENSORS, RolloutDatasetWriter, load_rollouts
 from rollout.errors import ModelLoadError
 from rollout.models.base import BatchInvariance, MicroBatching
-from rollout.models.registry import load_pipeline
+from rollout.models.registry import EMBEDDED_MODEL, load_pipeline
 from rollout.options import MAX_SEED
 from rollout.plan import RequestLimits, plan_rollout
 from rollout.replay import replay_log_probs, replayable_steps
 from rollout.sampler import micro_batch_size, resolve_options, sample_tree
 from rollout.schema import parse_request
+from rollout.testing.families import TINY_FAMILIES, RequestSpace
 from rollout.trajectory import RolloutBatch, SampleTrajectory
 from rollout.tree import Branching, TreeRoot
 
@@ -67,46 +68,9 @@ MAX_SAMPLES = 8  # per request
 LIMITS = RequestLimits()
 
 
-@dataclass(frozen=True)
-class ModelUnderTest:
-    """A model the properties run on, and the part of the request space it takes.
-
-    Attributes:
-        name: the registry's name; `build` makes its directory (None: the embedded model).
-        prompts: prompts it accepts (the embedded model knows only digits).
-        sizes: heights and widths to draw from (None: the model's default).
-        frames: frame counts to draw from (None: the model's default).
-        guidance_scales, true_cfg_scales: what to draw for the two guidance fields.
-        dtypes: the dtypes it is loaded in.
-    """
-
-    name: str
-    build: str | None
-    prompts: tuple[str, ...]
-    sizes: tuple[int | None, ...] = (None,)
-    frames: tuple[int | None, ...] = (None,)
-    guidance_scales: tuple[float | None, ...] = (None,)
-    true_cfg_scales: tuple[float | None, ...] = (None,)
-    dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    min_steps: int = 1
-
-
-DIGITS = ("0", "3", "seven", "a handwritten 4", "the digit 9")
-WORDS = ("a cat", "a red house", "two dogs on the grass at night", "x")
-# Sizes and frame counts are given where the family's default is the real model's (1024 px, 81
-# frames): small enough that a case takes seconds on a CPU.
-MODELS = {
-    "digits": ModelUnderTest("digits", None, DIGITS, guidance_scales=(None, 0.0, 1.0, 2.5), true_cfg_scales=(None, 1.5)),
-    "sd3": ModelUnderTest("sd3", "sd3", WORDS, sizes=(None, 32), guidance_scales=(None, 1.0, 4.5)),
-    "flux": ModelUnderTest("flux", "flux", WORDS, sizes=(32, 48), guidance_scales=(None, 3.5), true_cfg_scales=(None, 1.0, 2.0)),
-    # Qwen-Image's and LTX-Video's schedulers make no finite schedule of 1 step (shift_terminal): a
-    # 400 naming num_inference_steps.
-    "qwenimage": ModelUnderTest(
-        "qwenimage", "qwenimage", WORDS, sizes=(32, 48), true_cfg_scales=(None, 1.0, 3.0), min_steps=2
-    ),
-    "wan": ModelUnderTest("wan", "wan21", WORDS, sizes=(16, 32), frames=(1, 5), guidance_scales=(None, 1.0, 5.0)),
-    "ltx": ModelUnderTest("ltx", "ltx", WORDS, sizes=(32,), frames=(9,), guidance_scales=(None, 1.0, 3.0), min_steps=2),
-}
+# Model name -> the record of the tiny copy its requests go to (`rollout.testing.families`: one per
+# model, with the part of the request space it takes).
+MODELS = {record.model: record for record in TINY_FAMILIES.values() if record.requests}
 
 
 @dataclass(frozen=True)
@@ -159,24 +123,24 @@ def stochastic_kind(body: dict[str, Any], step: int) -> str:
 
 
 @st.composite
-def rollout_bodies(draw, model: ModelUnderTest) -> dict[str, Any]:
-    """A valid `/rollout/generate` body for `model`."""
-    steps = draw(st.integers(model.min_steps, MAX_STEPS))
+def rollout_bodies(draw, space: RequestSpace) -> dict[str, Any]:
+    """A valid `/rollout/generate` body from a model's part of the request space."""
+    steps = draw(st.integers(space.min_steps, MAX_STEPS))
     body: dict[str, Any] = {"num_inference_steps": steps}
-    prompts = draw(st.lists(st.sampled_from(model.prompts), min_size=1, max_size=3))
+    prompts = draw(st.lists(st.sampled_from(space.prompts), min_size=1, max_size=3))
     body["prompt"] = prompts[0] if len(prompts) == 1 and draw(st.booleans()) else prompts
     negative = draw(st.sampled_from(["none", "one", "each"]))
     if negative == "one":
-        body["negative_prompt"] = draw(st.sampled_from(("",) + model.prompts))
+        body["negative_prompt"] = draw(st.sampled_from(("",) + space.prompts))
     elif negative == "each" and isinstance(body["prompt"], list):
-        body["negative_prompt"] = [draw(st.sampled_from(("",) + model.prompts)) for _ in prompts]
-    size = draw(st.sampled_from(model.sizes))
+        body["negative_prompt"] = [draw(st.sampled_from(("",) + space.prompts)) for _ in prompts]
+    size = draw(st.sampled_from(space.sizes))
     if size is not None:
         body["height"] = body["width"] = size
-    frames = draw(st.sampled_from(model.frames))
+    frames = draw(st.sampled_from(space.frames))
     if frames is not None:
         body["num_frames"] = frames
-    for field, values in (("guidance_scale", model.guidance_scales), ("true_cfg_scale", model.true_cfg_scales)):
+    for field, values in (("guidance_scale", space.guidance_scales), ("true_cfg_scale", space.true_cfg_scales)):
         value = draw(st.sampled_from(values))
         if value is not None:
             body[field] = value
@@ -228,18 +192,19 @@ def _can_branch(body: dict[str, Any], step: int, steps: int) -> bool:
 
 @st.composite
 def cases(draw, models: tuple[str, ...] = tuple(MODELS)) -> Case:
-    model = MODELS[draw(st.sampled_from(models))]
-    body = draw(rollout_bodies(model))
+    record = MODELS[draw(st.sampled_from(models))]
+    space = record.requests
+    body = draw(rollout_bodies(space))
     companions = []
     for _ in range(draw(st.integers(0, 2))):
         # Companions share the request's options (a call samples one set), not its tree.
         branching = Branching()
         if "rollout_branch_steps" in body and draw(st.booleans()):
             branching = Branching((body["rollout_branch_steps"][0],), (2,))
-        companions.append((draw(st.sampled_from(model.prompts)), draw(st.integers(0, 2**32)), branching))
+        companions.append((draw(st.sampled_from(space.prompts)), draw(st.integers(0, 2**32)), branching))
     return Case(
-        model=model.name,
-        dtype=draw(st.sampled_from(model.dtypes)),
+        model=record.model,
+        dtype=draw(st.sampled_from(space.dtypes)),
         lora=draw(st.booleans()),
         body=body,
         # Padding at 3 rows is a size the server's start-up check refuses on this CPU (`servable`).
@@ -258,15 +223,9 @@ def cases(draw, models: tuple[str, ...] = tuple(MODELS)) -> Case:
 @lru_cache(maxsize=None)
 def pipeline_for(model: str, dtype: str, lora: bool):
     """The model of a case, loaded once per process (its micro-batching is set per case)."""
-    spec = MODELS[model]
-    path = None
-    if spec.build is not None:
-        from rollout.tiny_families import FAMILY_BUILDERS, VIDEO_BUILDERS
-
-        builders = {**FAMILY_BUILDERS, **VIDEO_BUILDERS}
-        path = builders[spec.build](Path(tempfile.mkdtemp(prefix="rollout-properties-")) / spec.build)
-    name = None if spec.build is None else spec.name
-    pipeline = load_pipeline(name, path, device="cpu", dtype=getattr(torch, dtype))
+    record = MODELS[model]
+    path = None if record.embedded else record.build(Path(tempfile.mkdtemp(prefix="rollout-properties-")) / record.name)
+    pipeline = load_pipeline(model, path, device="cpu", dtype=getattr(torch, dtype))
     if lora:
         _serve_a_lora(pipeline)
     return pipeline
@@ -586,17 +545,17 @@ def _regression(model: str, body: dict[str, Any], **how) -> Case:
 _TRAJECTORY = {"rollout_return_dit_trajectory": True}
 REGRESSIONS = (
     # Issue 44: a branch at step 0 kept x_0 twice, so x_1 was a buffer nobody wrote.
-    _regression("digits", {"prompt": "3", "seed": 84603, "num_inference_steps": 2, "num_outputs_per_prompt": 2,
-                           "rollout_branch_steps": [0], "rollout_branch_factors": [2], **_TRAJECTORY}),
-    _regression("digits", {"prompt": ["3", "7"], "seed": 5, "num_inference_steps": 6, "num_outputs_per_prompt": 4,
-                           "rollout_branch_steps": [0, 5], "rollout_branch_factors": [2, 2], "rollout_debug_mode": True,
-                           **_TRAJECTORY}),
-    _regression("digits", {"prompt": "1", "seed": 7, "num_inference_steps": 4, "num_outputs_per_prompt": 4,
-                           "rollout_sde_type": "cps", "rollout_branch_steps": [0, 1], "rollout_branch_factors": [2, 2],
-                           **_TRAJECTORY}),
-    _regression("digits", {"prompt": "8", "seed": 11, "num_inference_steps": 6, "num_outputs_per_prompt": 8,
-                           "rollout_branch_steps": [0, 3], "rollout_branch_factors": [2, 2],
-                           "rollout_return_step_indices": [0, 1, 4, 6]}, companions=(("2", 3, Branching()),)),
+    _regression(EMBEDDED_MODEL, {"prompt": "3", "seed": 84603, "num_inference_steps": 2, "num_outputs_per_prompt": 2,
+                                   "rollout_branch_steps": [0], "rollout_branch_factors": [2], **_TRAJECTORY}),
+    _regression(EMBEDDED_MODEL, {"prompt": ["3", "7"], "seed": 5, "num_inference_steps": 6, "num_outputs_per_prompt": 4,
+                                   "rollout_branch_steps": [0, 5], "rollout_branch_factors": [2, 2], "rollout_debug_mode": True,
+                                   **_TRAJECTORY}),
+    _regression(EMBEDDED_MODEL, {"prompt": "1", "seed": 7, "num_inference_steps": 4, "num_outputs_per_prompt": 4,
+                                   "rollout_sde_type": "cps", "rollout_branch_steps": [0, 1], "rollout_branch_factors": [2, 2],
+                                   **_TRAJECTORY}),
+    _regression(EMBEDDED_MODEL, {"prompt": "8", "seed": 11, "num_inference_steps": 6, "num_outputs_per_prompt": 8,
+                                   "rollout_branch_steps": [0, 3], "rollout_branch_factors": [2, 2],
+                                   "rollout_return_step_indices": [0, 1, 4, 6]}, companions=(("2", 3, Branching()),)),
     # A served LoRA under batch-invariant kernels: a sample sliced from a call kept the call's strides.
     _regression("sd3", {"prompt": ["a cat"], "seed": 0, "num_inference_steps": 2, "height": 32, "width": 32,
                         "num_outputs_per_prompt": 1, "rollout_return_step_indices": [0, 1, 2]},

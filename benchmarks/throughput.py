@@ -7,7 +7,7 @@
     .venv/bin/python -m benchmarks.throughput --families sd3 --memory    # peak memory too
     .venv/bin/python -m benchmarks.throughput --output docs/throughput.md
 
-Tiny SD3, FLUX.1 and Qwen-Image copies (`rollout/tiny_families.py`) widened to 8 heads (width 128),
+The tiny image families with a `throughput_steps` (`rollout.testing.families`) widened to 8 heads (width 128),
 128 x 128 px, ODE. The rollout is `rollout.sampler.sample` keeping every latent and log-prob, with
 its batch invariance kept by padding or by batch-invariant kernels (`rollout/kernels.py`); the
 pipeline is the family's own `pipeline(...)` on the same prompt, sizes, steps and guidance, with
@@ -41,36 +41,36 @@ from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import sample
-from rollout.tiny_families import FAMILY_BUILDERS
+from rollout.testing.families import TINY_FAMILIES
 from rollout.transitions import TransitionKind
 
 SIZE = 128
 TRANSFORMER_HEADS = 8  # width 128
-STEPS = {"sd3": 28, "flux": 28, "qwenimage": 10}
+STEPS = {name: record.throughput_steps for name, record in TINY_FAMILIES.items() if record.throughput_steps}
 PROMPT = "a photo of a cat"
 CALIBRATION_CANDIDATES = (1, 2, 4, 8, 16)
 MEMORY_LOAD = {"batch_size": 64, "steps": 50, "size": 256}  # issue 18's memory figure
-# With and without classifier-free guidance, as each family's pipeline turns it on and off.
-GUIDANCE = {
-    "sd3": ({"guidance_scale": 1.0}, {"guidance_scale": 4.5}),
-    "flux": ({"guidance_scale": 3.5}, {"guidance_scale": 3.5, "true_cfg_scale": 2.5}),
-    "qwenimage": ({"true_cfg_scale": 1.0}, {"true_cfg_scale": 4.0}),
-}
 
 
 def build_families(root: Path, names=tuple(STEPS)) -> dict[str, Path]:
-    return {name: FAMILY_BUILDERS[name](root / name, transformer_heads=TRANSFORMER_HEADS) for name in names}
+    return {name: TINY_FAMILIES[name].build(root / name, transformer_heads=TRANSFORMER_HEADS) for name in names}
+
+
+def guidance_of(name: str, cfg: bool) -> dict:
+    """The family's guidance with classifier-free guidance on or off, as its pipeline turns it."""
+    record = TINY_FAMILIES[name]
+    return dict(record.guided if cfg else record.unguided)
 
 
 def runs(family, name: str, batch_size: int, cfg: bool, pipeline_outputs=("latent",)) -> dict:
     """The calls compared: the rollout, and the pipeline with each `output_type` in `pipeline_outputs`
     (named `pipeline latent`, `pipeline pt`)."""
-    guidance = GUIDANCE[name][cfg]
+    guidance = guidance_of(name, cfg)
     options = SamplingOptions(
         num_inference_steps=STEPS[name], height=SIZE, width=SIZE, sde_type=TransitionKind.ODE, **guidance
     )
-    # diffusers' FLUX.1 and Qwen-Image pipelines run true CFG only when given a negative prompt.
-    negative = {"negative_prompt": ""} if cfg and name != "sd3" else {}
+    # diffusers' pipelines run true CFG only when given a negative prompt.
+    negative = {"negative_prompt": ""} if cfg and "true_cfg_scale" in guidance else {}
 
     def rollout():
         sample(family, [PROMPT] * batch_size, seeds=list(range(batch_size)), options=options)
@@ -94,7 +94,7 @@ def runs(family, name: str, batch_size: int, cfg: bool, pipeline_outputs=("laten
 def calibrated_sizes(path: Path, name: str) -> tuple[int, int, str]:
     """The transformer's and the VAE's micro-batch sizes `rollout.calibration` picks for the family
     at SIZE, with CFG, and its times."""
-    calibration = calibrate(load_pipeline(None, path), SIZE, SIZE, CALIBRATION_CANDIDATES, GUIDANCE[name][True])
+    calibration = calibrate(load_pipeline(None, path), SIZE, SIZE, CALIBRATION_CANDIDATES, guidance_of(name, cfg=True))
 
     def ms(per_sample: dict[int, float]) -> str:
         return "{" + ", ".join(f"{rows}: {seconds * 1e3:.2f}" for rows, seconds in per_sample.items()) + "}"

@@ -43,7 +43,7 @@ from rollout.rows import response_rows
 from rollout.sampler import sample
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 from rollout.schema import RolloutRequest
-from rollout.tiny_families import build_tiny_wan21
+from rollout.testing.builders import build_tiny_wan21
 from rollout.trajectory import RolloutBatch, SampleTrajectory
 from rollout.video import frames_as_uint8
 

@@ -1,12 +1,13 @@
 """GPU check of the real families: the rollout against the plain diffusers pipeline, at real size.
 
 No real weights exist on the device machine (and nothing can be downloaded there), so each model
-is built at its published size from configurations written below, with random weights in bf16.
+is built at its published size (`rollout.testing.published`), with random weights in bf16.
 Tokenizers and the scheduler come from the tiny offline copies the tests build
-(`rollout/tiny_families.py`): a tokenizer's vocabulary does not change the compute.
+(`rollout.testing.builders`): a tokenizer's vocabulary does not change the compute. The families
+checked are the records of `rollout.testing.families` with a `gpu_check`, by model name.
 
-For each family, one group of 8 samples of one prompt at 512x512, 10 steps, guidance as Flow-GRPO
-trains (SD3.5-Medium: CFG 4.5; FLUX.1-dev: its embedded guidance 3.5):
+For each image family, one group of 8 samples of one prompt at 512x512, 10 steps, guidance as
+Flow-GRPO trains (the record's `trained`: SD3.5-Medium's CFG 4.5, FLUX.1-dev's embedded guidance 3.5):
 - samples/s of the rollout (SDE transitions, every latent of the trajectory and the log-probs
   kept and moved to the CPU) and of `pipeline(...)` on the same model, batch and seeds;
 - peak GPU memory of each, and the rollout's with 16 samples (it grows with the micro-batch,
@@ -61,12 +62,10 @@ sys.path.insert(0, str(REPO))
 from rollout.calibration import calibrate, check_batch_invariance, synchronize  # noqa: E402
 from rollout.kernels import BatchInvariance  # noqa: E402
 from rollout.models.base import MicroBatching  # noqa: E402
-from rollout.models.flux import FluxFamily  # noqa: E402
-from rollout.models.sd3 import StableDiffusion3Family  # noqa: E402
-from rollout.models.wan import WanFamily  # noqa: E402
 from rollout.options import SamplingOptions  # noqa: E402
 from rollout.replay import replay_log_probs  # noqa: E402
 from rollout.sampler import resolve_options, rows_per_sample, sample  # noqa: E402
+from rollout.testing.families import TINY_FAMILIES, TinyFamily  # noqa: E402
 from rollout.transitions import TransitionKind  # noqa: E402
 
 GROUP = 8
@@ -75,109 +74,8 @@ BATCH_SIZES = (1, 8, 16, 64)
 # larger call only pads such a group, and each candidate costs a rollout of the largest.
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
 PROMPT = "a photo of a corgi wearing a red scarf, sitting on a wooden bench in a park"
-
-
-def clip_l(with_projection: bool):
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    config = CLIPTextConfig(
-        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-        projection_dim=768, vocab_size=49408, max_position_embeddings=77, hidden_act="quick_gelu",
-    )  # fmt: skip
-    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
-
-
-def clip_g():
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    config = CLIPTextConfig(
-        hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
-        projection_dim=1280, vocab_size=49408, max_position_embeddings=77, hidden_act="gelu",
-    )  # fmt: skip
-    return CLIPTextModelWithProjection(config)
-
-
-def t5_xxl():
-    from transformers import T5Config, T5EncoderModel
-
-    config = T5Config(
-        d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128,
-        feed_forward_proj="gated-gelu",
-    )  # fmt: skip
-    return T5EncoderModel(config)
-
-
-def vae(scaling_factor: float, shift_factor: float):
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=2, sample_size=1024, scaling_factor=scaling_factor, shift_factor=shift_factor,
-        use_quant_conv=False, use_post_quant_conv=False,
-    )  # fmt: skip
-
-
-def sd35_medium(tiny_pipe):
-    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
-
-    transformer = SD3Transformer2DModel(
-        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
-        attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
-        caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
-        dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
-    )  # fmt: skip
-    return StableDiffusion3Pipeline(
-        transformer=transformer, vae=vae(1.5305, 0.0609), scheduler=tiny_pipe.scheduler,
-        text_encoder=clip_l(with_projection=True), tokenizer=tiny_pipe.tokenizer,
-        text_encoder_2=clip_g(), tokenizer_2=tiny_pipe.tokenizer_2,
-        text_encoder_3=t5_xxl(), tokenizer_3=tiny_pipe.tokenizer_3,
-    )  # fmt: skip
-
-
-def flux1_dev(tiny_pipe):
-    from diffusers import FluxPipeline, FluxTransformer2DModel
-
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-        guidance_embeds=True, axes_dims_rope=(16, 56, 56),
-    )  # fmt: skip
-    return FluxPipeline(
-        transformer=transformer, vae=vae(0.3611, 0.1159), scheduler=tiny_pipe.scheduler,
-        text_encoder=clip_l(with_projection=False), tokenizer=tiny_pipe.tokenizer,
-        text_encoder_2=t5_xxl(), tokenizer_2=tiny_pipe.tokenizer_2,
-    )  # fmt: skip
-
-
-def wan21_t2v_1_3b(tiny_pipe):
-    """Wan2.1-T2V-1.3B's published configuration: its DiT, UMT5-XXL and the Wan2.1 VAE."""
-    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-        text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
-    )  # fmt: skip
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=256384,
-                   feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
-    )  # fmt: skip
-    return WanPipeline(
-        tokenizer=tiny_pipe.tokenizer, text_encoder=text_encoder, vae=AutoencoderKLWan(),
-        scheduler=tiny_pipe.scheduler, transformer=transformer,
-    )  # fmt: skip
-
-
-FAMILIES = {
-    "sd3": (StableDiffusion3Family, sd35_medium, {"guidance_scale": 4.5}),
-    "flux": (FluxFamily, flux1_dev, {"guidance_scale": 3.5}),
-}
-VIDEO_FAMILIES = {"wan": (WanFamily, wan21_t2v_1_3b, {"guidance_scale": 5.0})}
-# A family's share of the budget left: FLUX.1-dev's transformer is 5x SD3.5-Medium's (which runs
-# two rows a sample for CFG), and Wan's part is two videos timed, with no calibration or batch sizes.
-BUDGET_WEIGHTS = {"sd3": 1.0, "flux": 1.6, "wan": 0.6}
+# Model name -> the record of the tiny copy its published model is built on (one per model).
+CHECKED = {record.model: record for record in TINY_FAMILIES.values() if record.gpu_check}
 # What a calibration rollout sample costs against one of the group's (2 steps instead of 10, the
 # decode, calls of 1 sample among the candidates), and a sample under batch-invariant kernels
 # against one under padding: guesses on the safe side, for the estimates only.
@@ -239,6 +137,21 @@ def measured(device: str, fn):
     return result, seconds, peak
 
 
+def loaded(record: TinyFamily, tiny_dir: Path, tiny: bool, device: str):
+    """The family in bf16 on `device`: the tiny copy itself, or its published model built on the
+    tiny copy's tokenizers and scheduler."""
+    dtype = torch.bfloat16
+    tiny_family = record.family.from_pretrained(tiny_dir, torch_dtype=dtype, device=device)
+    if tiny:
+        return tiny_family
+    started = time.perf_counter()
+    with building_on(device, dtype):
+        pipe = record.gpu_check.build(tiny_family.pipe)
+    pipe.set_progress_bar_config(disable=True)
+    print(f"{record.model}: built in {time.perf_counter() - started:.0f} s", flush=True)
+    return record.family(pipe)
+
+
 def check_family(
     name: str, tiny_dir: Path, tiny: bool, device: str, size: int, steps: int, candidates: tuple, batch_sizes: tuple,
     budget: Budget, sections: tuple[str, ...] = SECTIONS, calibrated: dict | None = None,
@@ -246,18 +159,9 @@ def check_family(
     """The family's findings from the `sections` asked for; without the calibration, the batch
     sizes run in calls of the sizes `calibrated` (an earlier run's findings for the family) chose,
     or of the group."""
-    family_class, build_real, guidance = FAMILIES[name]
-    dtype = torch.bfloat16
-    tiny_family = family_class.from_pretrained(tiny_dir, torch_dtype=dtype, device=device)
-    if tiny:
-        family = tiny_family
-    else:
-        started = time.perf_counter()
-        with building_on(device, dtype):
-            pipe = build_real(tiny_family.pipe)
-        pipe.set_progress_bar_config(disable=True)
-        family = family_class(pipe)
-        print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)
+    record = CHECKED[name]
+    guidance = dict(record.trained)
+    family = loaded(record, tiny_dir, tiny, device)
     parameters = sum(p.numel() for p in family.transformer.parameters())
 
     options = SamplingOptions(num_inference_steps=steps, height=size, width=size, **guidance)
@@ -382,7 +286,7 @@ def check_family(
         # (bit for bit on the tiny copies on the CPU): what separates them in bf16 is the
         # pipeline's bf16 latents, not another path. Last: the cast doubles the weights' memory.
         if budget.allows(2 * FP32_PATH_SAMPLES * seconds_per_sample * 4):
-            family = family_class(family.pipe.to(torch.float32))
+            family = record.family(family.pipe.to(torch.float32))
             family.micro_batching = MicroBatching(FP32_PATH_SAMPLES * rows_per_sample(family, resolve_options(family, options)))
             findings["fp32_ode_vs_pipeline_max_abs_latent_diff"], findings["fp32_latent_abs_max"] = ode_distance(FP32_PATH_SAMPLES)
             print(f"{name}: fp32 ODE path against the pipeline: {findings['fp32_ode_vs_pipeline_max_abs_latent_diff']}", flush=True)
@@ -421,18 +325,10 @@ def check_video_family(name: str, tiny_dir: Path, tiny: bool, device: str) -> di
     """Wan2.1-T2V-1.3B at 480x832, 33 frames, 10 steps (the tiny copy: 32x48, 5 frames, 2 steps),
     CFG 5: a group of two videos, one a transformer call, rollout against `pipeline(...)` with its
     scheduler swapped for the rollout's Euler one; peak memory; the bf16 replay difference."""
-    family_class, build_real, guidance = VIDEO_FAMILIES[name]
-    dtype = torch.bfloat16
-    tiny_family = family_class.from_pretrained(tiny_dir, torch_dtype=dtype, device=device)
-    if tiny:
-        family, (height, width, frames, steps) = tiny_family, (32, 48, 5, 2)
-    else:
-        started = time.perf_counter()
-        with building_on(device, dtype):
-            pipe = build_real(tiny_family.pipe)
-        pipe.set_progress_bar_config(disable=True)
-        family, (height, width, frames, steps) = family_class(pipe), (480, 832, 33, 10)
-        print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)
+    record = CHECKED[name]
+    guidance = dict(record.trained)
+    family = loaded(record, tiny_dir, tiny, device)
+    height, width, frames, steps = (32, 48, 5, 2) if tiny else (480, 832, 33, 10)
     family.micro_batching = MicroBatching(1)
     videos = 2
     options = SamplingOptions(num_inference_steps=steps, height=height, width=width, num_frames=frames, **guidance)
@@ -482,7 +378,8 @@ def check_video_family(name: str, tiny_dir: Path, tiny: bool, device: str) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", choices=sorted({**FAMILIES, **VIDEO_FAMILIES}), default=["sd3", "flux"])
+    image_models = [name for name, record in CHECKED.items() if not record.video]
+    parser.add_argument("--families", nargs="+", choices=sorted(CHECKED), default=image_models)
     parser.add_argument("--tiny", action="store_true", help="tiny copies on the CPU: checks the script itself")
     parser.add_argument("--out", type=Path, help="write the findings here as JSON")
     parser.add_argument("--budget-s", type=float, help="wall seconds for the whole run; none: no limit")
@@ -492,8 +389,6 @@ def main() -> None:
         "--calibrated", type=Path, help="an earlier run's findings: without the calibration section, its sizes are used"
     )
     args = parser.parse_args()
-
-    from rollout.tiny_families import FAMILY_BUILDERS, VIDEO_BUILDERS
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     size, steps = (64, 3) if args.tiny else (512, 10)
@@ -505,17 +400,17 @@ def main() -> None:
     budget = Budget(args.budget_s)
     with tempfile.TemporaryDirectory() as scratch:
         for position, name in enumerate(args.families):
-            weights_left = sum(BUDGET_WEIGHTS[later] for later in args.families[position:])
-            share = budget.share(BUDGET_WEIGHTS[name] / weights_left)
+            record = CHECKED[name]
+            weights_left = sum(CHECKED[later].gpu_check.budget_weight for later in args.families[position:])
+            share = budget.share(record.gpu_check.budget_weight / weights_left)
             started = time.perf_counter()
             try:
                 if not share.allows(MIN_FAMILY_SECONDS):
                     findings.append({"family": name, "skipped": ["all: out of time"]})
-                elif name in VIDEO_FAMILIES:
-                    tiny_dir = VIDEO_BUILDERS["wan21"](Path(scratch) / name)
-                    findings.append(check_video_family(name, tiny_dir, args.tiny, device))
+                elif record.video:
+                    findings.append(check_video_family(name, record.build(Path(scratch) / name), args.tiny, device))
                 else:
-                    tiny_dir = FAMILY_BUILDERS[name](Path(scratch) / name)
+                    tiny_dir = record.build(Path(scratch) / name)
                     findings.append(
                         check_family(
                             name, tiny_dir, args.tiny, device, size, steps, candidates, batch_sizes, share,

@@ -34,24 +34,26 @@ def embedded_pipeline() -> DigitFlowPipeline:
 
 @pytest.fixture(scope="session")
 def tiny_family_dirs(tmp_path_factory) -> dict:
-    """Family name -> a tiny random-weight copy of SD3, FLUX.1-dev or Qwen-Image, saved as a
-    diffusers directory (`rollout/tiny_families.py`)."""
-    from rollout.tiny_families import (
-        FAMILY_BUILDERS,  # imports transformers: only for the tests that need it
-    )
+    """Name -> the tiny random-weight copy of each real image family (`rollout.testing.families`),
+    saved as a diffusers directory."""
+    from rollout.testing.families import IMAGE_FAMILIES  # imports the families: only for the tests that need them
 
-    root = tmp_path_factory.mktemp("families")
-    return {name: build(root / name) for name, build in FAMILY_BUILDERS.items()}
+    return _build(tmp_path_factory.mktemp("families"), IMAGE_FAMILIES)
 
 
 @pytest.fixture(scope="session")
 def tiny_video_dirs(tmp_path_factory) -> dict:
-    """Layout name -> a tiny random-weight Wan2.1-T2V, Wan2.2-T2V-A14B or Wan2.2-TI2V-5B copy,
-    saved as a diffusers directory (`rollout/tiny_families.py`)."""
-    from rollout.tiny_families import VIDEO_BUILDERS
+    """Name -> the tiny random-weight copy of each video family or layout (`rollout.testing.families`),
+    saved as a diffusers directory."""
+    from rollout.testing.families import VIDEO_FAMILIES
 
-    root = tmp_path_factory.mktemp("video_families")
-    return {name: build(root / name) for name, build in VIDEO_BUILDERS.items()}
+    return _build(tmp_path_factory.mktemp("video_families"), VIDEO_FAMILIES)
+
+
+def _build(root, names: list[str]) -> dict:
+    from rollout.testing.families import TINY_FAMILIES
+
+    return {name: TINY_FAMILIES[name].build(root / name) for name in names}
 
 
 @pytest.fixture

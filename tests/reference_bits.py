@@ -48,6 +48,8 @@ from typing import Any
 import pytest
 import torch
 
+from rollout.testing.families import TINY_FAMILIES
+
 DIGESTS_FILE = Path(__file__).with_name("reference_digests.json")
 WRITE = os.environ.get("ROLLOUT_WRITE_REFERENCE_DIGESTS") == "1"
 # What holds torch's own kernels, MKL's and oneDNN's to AVX2 on a CPU that has more.
@@ -101,16 +103,13 @@ DIGITS_REQUESTS: dict[str, dict[str, Any]] = {
     "evaluation": {"prompt": ["0", "6"], "num_inference_steps": 5, "seed": 9, "rollout": False},
 }
 
-FAMILY_GUIDANCE = {"sd3": {"guidance_scale": 4.5}, "flux": {"true_cfg_scale": 2.5}, "qwenimage": {"true_cfg_scale": 4.0}}
-
-
 def family_requests(family: str) -> dict[str, dict[str, Any]]:
     """Requests to a tiny real family, served (over HTTP and the handle)."""
     common = {"height": 32, "width": 32, "num_inference_steps": 3}
     return {
         "sde-guided-trajectory": {
             **common,
-            **FAMILY_GUIDANCE[family],
+            **TINY_FAMILIES[family].guided,
             "prompt": ["a red cube", "a cat"],
             "negative_prompt": "blurry",
             "num_outputs_per_prompt": 2,
@@ -144,7 +143,7 @@ LIBRARY_RUNS: dict[str, tuple[list[str], list[int], dict[str, Any], list[str] | 
     ),
     "ode-env": (["a garden", "a photo"], [7, 8], {"num_inference_steps": 3, "sde_type": "ode", "return_denoising_env": True}, None),
 }
-LIBRARY_FAMILIES = ("embedded-digits", "sd3", "flux", "qwenimage")
+LIBRARY_FAMILIES = tuple(name for name, record in TINY_FAMILIES.items() if not record.video)
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -217,25 +216,29 @@ def library_digests() -> dict[str, dict[str, str]]:
     from rollout.models.registry import load_pipeline
     from rollout.options import SamplingOptions
     from rollout.sampler import sample
-    from rollout.tiny_families import FAMILY_BUILDERS  # imports transformers
 
-    pipelines = {"embedded-digits": DigitFlowPipeline.from_pretrained()}
+    pipelines = {}
     digests = {}
     with tempfile.TemporaryDirectory() as root:
-        for family in LIBRARY_FAMILIES[1:]:
-            # Two guided samples a transformer call (SD3's takes both branches: 4 rows), two images a VAE call.
-            micro_batching = MicroBatching(4 if family == "sd3" else 2, decode_default=2)
-            directory = FAMILY_BUILDERS[family](Path(root) / family)
-            pipelines[family] = load_pipeline(family, directory, device="cpu", micro_batching=micro_batching)
+        for family in LIBRARY_FAMILIES:
+            record = TINY_FAMILIES[family]
+            if record.embedded:
+                pipelines[family] = DigitFlowPipeline.from_pretrained()
+            else:
+                # Two guided samples a transformer call (SD3's takes both branches: 4 rows), two images a VAE call.
+                micro_batching = MicroBatching(2 * record.rows_per_guided_sample, decode_default=2)
+                directory = record.build(Path(root) / family)
+                pipelines[family] = load_pipeline(record.model, directory, device="cpu", micro_batching=micro_batching)
         torch.set_num_threads(1)  # the served digests come from workers with one torch thread; the library's the same
         for family, pipeline in pipelines.items():
+            embedded = TINY_FAMILIES[family].embedded
             for run, (prompts, seeds, fields, negatives) in sorted(LIBRARY_RUNS.items()):
-                if family == "embedded-digits":
+                if embedded:
                     prompts = [str(len(p) % 10) for p in prompts]  # digits' own prompts
                     fields = {**fields, "height": None, "width": None}
                 else:
                     fields = {**fields, "height": 32, "width": 32}
-                negatives = None if negatives is None or family == "embedded-digits" else negatives * len(prompts)
+                negatives = None if negatives is None or embedded else negatives * len(prompts)
                 batch = sample(pipeline, prompts, seeds, SamplingOptions(**fields), negatives, weight_version="v")
                 digests[f"library:{family}:{run}"] = field_digests(batch_records(batch))
     return digests

@@ -69,10 +69,10 @@ def test_sections_that_would_overrun_the_budget_are_skipped_and_named(tmp_path):
     after the group (its timings, replay and the ODE path), which always runs."""
     sys.path.insert(0, str(REPO / "scripts"))
     import gpu_check
-    from rollout.tiny_families import FAMILY_BUILDERS
 
     spent = gpu_check.Budget(0.0)
-    findings = gpu_check.check_family("flux", FAMILY_BUILDERS["flux"](tmp_path / "flux"), True, "cpu", 64, 3, (1, 2), (1, 8), spent)
+    tiny_dir = gpu_check.CHECKED["flux"].build(tmp_path / "flux")
+    findings = gpu_check.check_family("flux", tiny_dir, True, "cpu", 64, 3, (1, 2), (1, 8), spent)
     assert findings["skipped"] == [
         "calibration (the batch sizes run in calls of the group)",
         "batch-invariant kernels",

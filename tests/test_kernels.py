@@ -19,13 +19,11 @@ from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs, transition_log_probs
 from rollout.sampler import sample, sample_call
+from rollout.testing.families import IMAGE_FAMILIES, TINY_FAMILIES
 from rollout.weights import apply_update, tensor_update
 
-FAMILIES = ["sd3", "flux", "qwenimage"]
 SIZE = 64
 LONG_PROMPT = "a very long prompt about a lighthouse on a cliff in a storm at night"  # Qwen-Image's bucket 64
-GUIDED = {"sd3": {"guidance_scale": 4.5}, "flux": {"true_cfg_scale": 2.5}, "qwenimage": {"true_cfg_scale": 4.0}}
-UNGUIDED = {"sd3": {"guidance_scale": 1.0}, "flux": {"guidance_scale": 3.5}, "qwenimage": {"true_cfg_scale": 1.0}}
 
 
 def kernels(default: int = 4) -> MicroBatching:
@@ -36,7 +34,7 @@ def kernels(default: int = 4) -> MicroBatching:
 def family_pipelines(tiny_family_dirs):
     return {
         family: load_pipeline(family, tiny_family_dirs[family], device="cpu", micro_batching=kernels())
-        for family in FAMILIES
+        for family in IMAGE_FAMILIES
     }
 
 
@@ -200,11 +198,12 @@ def test_calls_take_the_rows_there_are_under_kernels_and_whole_micro_batches_wit
 # Every family, end to end ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 @pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
 def test_a_sample_is_the_same_alone_and_in_calls_of_any_size_with_no_padding(family_pipelines, family, guided):
     pipeline = family_pipelines[family]
-    fields = (GUIDED if guided else UNGUIDED)[family]
+    record = TINY_FAMILIES[family]
+    fields = record.guided if guided else record.unguided
     options = SamplingOptions(num_inference_steps=2, height=SIZE, width=SIZE, debug=True, **fields)
     alone = sample_call(pipeline, ["a cat"], [7], options)
     assert alone.transformer_rows == 2  # one row a step: nothing padded
@@ -221,10 +220,10 @@ def test_a_sample_is_the_same_alone_and_in_calls_of_any_size_with_no_padding(fam
         assert torch.equal(alone.batch.samples[0].debug.model_outputs, batched.batch.samples[position].debug.model_outputs)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_replay_under_kernels_is_exact_with_and_without_gradients(family_pipelines, family):
-    pipeline = family_pipelines[family]
-    options = SamplingOptions(num_inference_steps=3, height=SIZE, width=SIZE, return_denoising_env=True, **GUIDED[family])
+    pipeline, guided = family_pipelines[family], TINY_FAMILIES[family].guided
+    options = SamplingOptions(num_inference_steps=3, height=SIZE, width=SIZE, return_denoising_env=True, **guided)
     batch = sample(pipeline, ["a cat", LONG_PROMPT, "a dog"], [1, 2, 3], options)
     rollout_log_probs = torch.stack([s.log_probs for s in batch.samples])
     assert torch.equal(replay_log_probs(pipeline, batch.schedule, batch.options, batch.samples).log_probs, rollout_log_probs)
@@ -245,7 +244,7 @@ def test_a_lora_adapter_runs_under_the_kernels_and_replays_exactly(tiny_family_d
             if "lora_B" in name:
                 parameter.copy_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(0)))
     apply_update(served.weight_modules, tensor_update(get_peft_model_state_dict(trainer.transformer), lora_rank=4, lora_alpha=8))
-    options = SamplingOptions(num_inference_steps=2, height=32, width=32, **GUIDED["flux"])
+    options = SamplingOptions(num_inference_steps=2, height=32, width=32, **TINY_FAMILIES["flux"].guided)
     alone = sample(served, ["a cat"], [0], options)
     batch = sample(served, ["a dog", "a cat", "x"], [3, 0, 4], options)
     assert torch.equal(alone.samples[0].log_probs, batch.samples[1].log_probs)
@@ -267,21 +266,22 @@ def test_the_embedded_model_is_batch_invariant_under_kernels():
 # On the serving device -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_the_device_check_holds_under_kernels_and_sees_what_they_are_for(family_pipelines, monkeypatch, family):
-    check = check_batch_invariance(family_pipelines[family], SIZE, SIZE, GUIDED[family])
+    guided = TINY_FAMILIES[family].guided
+    check = check_batch_invariance(family_pipelines[family], SIZE, SIZE, guided)
     assert check.holds and check.device == "cpu"
     require_batch_invariance(family_pipelines[family], SIZE, SIZE)
     # Unpadded calls with the stock kernels: the check sees the difference, and a server refuses them.
     monkeypatch.setattr("rollout.models.base.kernels_for", lambda invariance: contextlib.nullcontext())
-    assert check_batch_invariance(family_pipelines[family], SIZE, SIZE, GUIDED[family]).velocity_difference > 0
+    assert check_batch_invariance(family_pipelines[family], SIZE, SIZE, guided).velocity_difference > 0
     with pytest.raises(ModelLoadError) as caught:
         require_batch_invariance(family_pipelines[family], SIZE, SIZE)
     assert caught.value.field == "model.batch_invariance" and "use 'padding'" in caught.value.reason
 
 
 def test_calibration_under_kernels_picks_the_best_time_per_sample(family_pipelines):
-    calibration = calibrate(family_pipelines["sd3"], SIZE, SIZE, (1, 2, 4), GUIDED["sd3"], repeats=1)
+    calibration = calibrate(family_pipelines["sd3"], SIZE, SIZE, (1, 2, 4), TINY_FAMILIES["sd3"].guided, repeats=1)
     # A guided SD3 sample takes two rows of a call: a size of 1 is timed (as calls of 2 rows) but
     # is not a size of whole samples, so the best is among the even sizes.
     per_sample = calibration.denoising_seconds_per_sample

@@ -1,5 +1,5 @@
-"""SD3, FLUX.1 and Qwen-Image through the rollout library, on tiny random-weight copies saved as
-diffusers directories (`rollout/tiny_families.py`) and loaded by the real loading code.
+"""The image families (SD3, FLUX.1, Qwen-Image) through the rollout library, on tiny random-weight
+copies saved as diffusers directories (`rollout.testing.families`) and loaded by the real loading code.
 
 The reference is diffusers' own `pipeline(...)`: the rollout's deterministic (ODE) path must
 reproduce it, and the schedule must be the scheduler's own after the pipeline set it.
@@ -21,6 +21,7 @@ from rollout.models.registry import load_pipeline, resolve_model
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.sampler import micro_batch_size, resolve_options, rows_per_sample, sample, sample_call
+from rollout.testing.families import IMAGE_FAMILIES, TINY_FAMILIES
 from rollout.transitions import TransitionKind
 from rollout.weights import (
     apply_update,
@@ -30,7 +31,6 @@ from rollout.weights import (
     weights_checksum,
 )
 
-FAMILIES = ["sd3", "flux", "qwenimage"]
 SIZE = 64
 # Past Qwen-Image's first text-length bucket (58 tokens with the tiny tokenizer: bucket 64).
 LONG_PROMPT = "a very long prompt about a lighthouse on a cliff in a storm at night"
@@ -56,14 +56,10 @@ def pipelines(tiny_family_dirs):
     return load
 
 
-def guidance(family: str, on: bool) -> tuple[dict, dict]:
-    """(SamplingOptions fields, the same guidance as `pipeline(...)` arguments)."""
-    if family == "sd3":
-        scale = 4.5 if on else 1.0
-        return {"guidance_scale": scale}, {"guidance_scale": scale}
-    if not on:
-        return {}, {}
-    return {"true_cfg_scale": 3.0}, {"true_cfg_scale": 3.0}
+def guidance(family: str, on: bool) -> dict:
+    """The family's guidance on or off: `SamplingOptions` fields, the same as `pipeline(...)` arguments."""
+    record = TINY_FAMILIES[family]
+    return dict(record.guided if on else record.unguided)
 
 
 def diffusers_latents(pipeline, prompts, negative_prompts, seeds, size, steps, pipe_guidance):
@@ -84,16 +80,16 @@ def diffusers_latents(pipeline, prompts, negative_prompts, seeds, size, steps, p
     return latents
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 @pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
 def test_the_ode_path_reproduces_the_diffusers_pipeline(pipelines, family, guided):
-    fields, pipe_guidance = guidance(family, guided)
+    fields = guidance(family, guided)
     negative = ["blurry"] if guided else None
     # Alone, with a micro-batch of 1: the transformer calls are the pipeline's, row for row.
     alone = pipelines(family, micro_batch_size=1)
     options = SamplingOptions(num_inference_steps=3, height=SIZE, width=SIZE, sde_type=TransitionKind.ODE, **fields)
     rollout = sample(alone, ["a red cube"], [11], options, negative_prompts=negative)
-    expected = diffusers_latents(alone, ["a red cube"], negative, [11], SIZE, 3, pipe_guidance)
+    expected = diffusers_latents(alone, ["a red cube"], negative, [11], SIZE, 3, fields)
     difference = (rollout.samples[0].final_latents - expected[0]).abs().max().item()
     if family == "qwenimage":
         # The only difference from the pipeline: the prompt is padded to a fixed length with a
@@ -106,12 +102,12 @@ def test_the_ode_path_reproduces_the_diffusers_pipeline(pipelines, family, guide
     prompts, seeds = ["a red cube", "two green spheres on a wooden table at dusk"], [3, 4]
     negatives = ["blurry", "low quality, watermark"] if guided else None
     rollout = sample(pipelines(family), prompts, seeds, options, negative_prompts=negatives)
-    expected = diffusers_latents(alone, prompts, negatives, seeds, SIZE, 3, pipe_guidance)
+    expected = diffusers_latents(alone, prompts, negatives, seeds, SIZE, 3, fields)
     final = torch.stack([s.final_latents for s in rollout.samples])
     assert (final - expected).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_the_schedule_is_the_schedulers_own_at_each_size(pipelines, family):
     pipeline = pipelines(family)
     steps = 4
@@ -163,12 +159,12 @@ def test_the_transformer_time_input_is_the_familys_own(pipelines, family):
     assert torch.equal(pipelines("sd3").schedule(10, SIZE, SIZE).model_timesteps, pipelines("sd3").schedule(10, SIZE, SIZE).timesteps)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
 def test_replay_equals_the_rollout_exactly(pipelines, family, dtype, guided):
     pipeline = pipelines(family, dtype)
-    fields, _ = guidance(family, guided)
+    fields = guidance(family, guided)
     options = SamplingOptions(num_inference_steps=3, height=SIZE, width=SIZE, return_denoising_env=True, **fields)
     negatives = ["blurry", "dark"] if guided else None
     batch = sample(pipeline, ["a cat", "a dog in the snow"], [1, 2], options, negative_prompts=negatives)
@@ -182,12 +178,12 @@ def test_replay_equals_the_rollout_exactly(pipelines, family, dtype, guided):
     assert torch.equal(replay_log_probs(pipeline, batch.schedule, batch.options, without_env).log_probs, rollout_log_probs)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_a_sample_is_the_same_alone_and_in_a_batch(pipelines, family):
     assert_batch_invariant(pipelines(family), family)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_a_sample_is_the_same_alone_and_in_a_batch_when_the_vae_takes_calls_of_another_size(pipelines, family):
     assert_batch_invariant(pipelines(family, micro_batch_size=2, decode_batch_size=4), family)
 
@@ -263,9 +259,9 @@ def test_calibration_picks_only_whole_guided_samples_rows_for_a_transformer_that
         calibrate(pipeline, SIZE, SIZE, (1,), repeats=1)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_the_calibrated_micro_batches_are_the_smallest_near_the_fastest_for_the_load_and_keep_invariance(pipelines, family):
-    candidates, fields = (1, 2, 4), guidance(family, True)[0]
+    candidates, fields = (1, 2, 4), guidance(family, True)
     pipeline = pipelines(family)
     calibration = calibrate(pipeline, SIZE, SIZE, candidates, fields, repeats=1, load=3)
     assert calibration.size_key == f"{SIZE}x{SIZE}"
@@ -301,7 +297,7 @@ def test_the_calibrated_micro_batches_are_the_smallest_near_the_fastest_for_the_
 
 
 def assert_batch_invariant(pipeline, family: str) -> None:
-    fields, _ = guidance(family, True)
+    fields = guidance(family, True)
     options = SamplingOptions(num_inference_steps=2, height=SIZE, width=SIZE, debug=True, **fields)
     alone = sample(pipeline, ["a cat"], [7], options).samples[0]
     # For Qwen-Image the first prompt is in another text-length bucket than the other two.
@@ -359,10 +355,10 @@ def test_qwen_image_samples_with_texts_of_different_length_buckets_keep_their_bi
     assert torch.equal(replayed.log_probs, rollout_log_probs)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_denoising_env_holds_every_transformer_input(pipelines, family):
     pipeline = pipelines(family)
-    fields, _ = guidance(family, True)
+    fields = guidance(family, True)
     options = SamplingOptions(num_inference_steps=2, height=32, width=SIZE, return_denoising_env=True, **fields)
     env = sample(pipeline, ["a cat"], [0], options).samples[0].denoising_env
     tokens = (32 // 16) * (SIZE // 16)
@@ -385,7 +381,7 @@ def test_denoising_env_holds_every_transformer_input(pipelines, family):
         assert env["image_kwargs"]["img_shapes"].tolist() == [1, 32 // 16, SIZE // 16]  # (frames, token rows, token columns)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_sizes_the_model_cannot_make_are_refused(pipelines, family):
     with pytest.raises(InvalidRequestError, match="height: must be a multiple of 16"):
         pipelines(family).latent_shape(72, 64)
@@ -401,7 +397,7 @@ def test_a_step_count_whose_schedule_is_not_finite_is_refused_naming_the_field(p
 
 def test_the_family_is_read_from_model_index(tiny_family_dirs):
     for family, path in tiny_family_dirs.items():
-        assert resolve_model(None, path) == (family, path)
+        assert resolve_model(None, path) == (TINY_FAMILIES[family].model, path)
 
 
 def test_bad_model_directories_fail_at_load_naming_path_and_cause(tiny_family_dirs, tmp_path):
@@ -432,7 +428,7 @@ def test_bad_model_directories_fail_at_load_naming_path_and_cause(tiny_family_di
         load_pipeline("flux", corrupt, device="cpu")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_lora_updates_replay_exactly_and_a_checkpoint_restores_the_base(tiny_family_dirs, family):
     """What a trainer pushes between steps: a PEFT LoRA on the transformer, the policy."""
     served, trainer = (
@@ -449,7 +445,7 @@ def test_lora_updates_replay_exactly_and_a_checkpoint_restores_the_base(tiny_fam
     apply_update(served.weight_modules, update)
     assert weights_checksum(served.transformer) == weights_checksum(trainer.transformer) != base_checksum
 
-    fields, _ = guidance(family, True)
+    fields = guidance(family, True)
     options = SamplingOptions(num_inference_steps=3, height=32, width=32, **fields)
     batch = sample(served, ["a cat", "a dog"], [0, 1], options)
     replayed = replay_log_probs(trainer, batch.schedule, batch.options, batch.samples)

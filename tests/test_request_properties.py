@@ -1,7 +1,8 @@
 """The request space as a property test, in the library (`benchmarks/properties.py`): every kept
 counterexample, then generated valid requests on the embedded model and each tiny family, each
-checked for every guarantee against formulas written in the checker. The budget and Hypothesis's
-seed are in each test's id; `python -m benchmarks.properties --examples N` runs a large budget."""
+checked for every guarantee against formulas written in the checker. The budget (the model's
+record's, `rollout.testing.families`) and Hypothesis's seed are in each test's id; `python -m
+benchmarks.properties --examples N` runs a large budget."""
 
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
@@ -9,9 +10,6 @@ from hypothesis import HealthCheck, given, seed, settings
 from benchmarks.properties import MODELS, OPEN_COUNTEREXAMPLES, REGRESSIONS, Case, PropertyViolation, cases, check_case
 
 SEED = 44
-# Generated requests per model: about two minutes in all on 2 cores (a family's case costs several
-# of the embedded model's).
-BUDGET = {"digits": 100, "sd3": 10, "flux": 10, "qwenimage": 10, "wan": 6, "ltx": 6}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,12 +26,13 @@ def test_open_counterexamples_still_break_a_guarantee(case: Case):
     check_case(case)
 
 
-@pytest.mark.parametrize("model", list(MODELS), ids=[f"{model}-budget{BUDGET[model]}-seed{SEED}" for model in MODELS])
+@pytest.mark.parametrize("model", list(MODELS), ids=[f"{model}-budget{r.requests.budget}-seed{SEED}" for model, r in MODELS.items()])
 def test_generated_requests_keep_every_guarantee(model: str):
-    print(f"{BUDGET[model]} generated requests on {model}, Hypothesis seed {SEED}")
+    budget = MODELS[model].requests.budget
+    print(f"{budget} generated requests on {model}, Hypothesis seed {SEED}")
 
     @seed(SEED)
-    @settings(max_examples=BUDGET[model], deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=budget, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(cases((model,)))
     def every_guarantee_holds(case: Case) -> None:
         check_case(case)

@@ -11,26 +11,27 @@ import torch
 from rollout.dataset import RolloutDatasetWriter, load_rollouts
 from rollout.errors import InvalidRequestError
 from rollout.models.base import MicroBatching
-from rollout.models.registry import load_pipeline
+from rollout.models.registry import EMBEDDED_MODEL, load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.rows import schedule_of_row
 from rollout.sampler import sample
+from rollout.testing.families import IMAGE_FAMILIES
 
-FAMILIES = ["embedded-digits", "sd3", "flux", "qwenimage"]
+FAMILIES = [EMBEDDED_MODEL, *IMAGE_FAMILIES]
 
 
 @pytest.fixture(scope="module")
 def pipelines(tiny_family_dirs, embedded_pipeline):
-    loaded = {"embedded-digits": embedded_pipeline}
-    for family in FAMILIES[1:]:
+    loaded = {EMBEDDED_MODEL: embedded_pipeline}
+    for family in IMAGE_FAMILIES:
         loaded[family] = load_pipeline(family, tiny_family_dirs[family], device="cpu", micro_batching=MicroBatching(2))
     return loaded
 
 
 def rollout(pipeline):
     """4 SDE steps of 2 prompts, every latent kept: what a trainer replays."""
-    if pipeline.name == "embedded-digits":
+    if pipeline.name == EMBEDDED_MODEL:
         prompts, size = ["3", "7"], {}
     else:
         prompts, size = ["a red cube", "a cat"], {"height": 32, "width": 64}

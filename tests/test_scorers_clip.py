@@ -9,7 +9,7 @@ from rollout.errors import ModelLoadError
 from rollout.scorers.base import ScoringSample
 from rollout.scorers.clip import ClipScorer
 from rollout.scorers.registry import build_scorer
-from rollout.tiny_families import build_tiny_clip
+from rollout.testing.builders import build_tiny_clip
 
 MICRO_BATCH = 4
 PROMPTS = ["a photo of a cat", "a red chair", "a dog in the garden", "the background"]

@@ -1,5 +1,5 @@
 """Wan2.1, Wan2.2 (both layouts) and LTX-Video through the rollout library, on tiny random-weight
-copies saved as diffusers directories (`rollout/tiny_families.py`) and loaded by the real loading
+copies saved as diffusers directories (`rollout.testing.families`) and loaded by the real loading
 code.
 
 The reference is diffusers' own pipeline: `WanPipeline(...)` with its UniPC scheduler swapped for
@@ -23,15 +23,14 @@ from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
+from rollout.models.wan import WanFamily
 from rollout.sampler import sample
+from rollout.testing.families import TINY_FAMILIES, VIDEO_FAMILIES
 from rollout.video import frames_as_uint8, write_mp4
 from rollout.weights import apply_update, tensor_update, weights_checksum
 from tests.test_transitions import reference_log_prob, reference_step
 
-WAN_LAYOUTS = ["wan21", "wan22_a14b", "wan22_ti2v"]
-LAYOUTS = [*WAN_LAYOUTS, "ltx"]
-FRAMES = 5  # two latent frames of Wan's
-LTX_FRAMES = 9  # two of LTX-Video's (8 frames a latent frame)
+WAN_LAYOUTS = [name for name in VIDEO_FAMILIES if TINY_FAMILIES[name].family is WanFamily]
 TEXT_LENGTH = 16
 # Steps whose timesteps fall on both sides of Wan2.2-A14B's boundary (875) at shift 3.
 STEPS = 4
@@ -39,12 +38,12 @@ STEPS = 4
 
 def frame_size(layout: str) -> tuple[int, int]:
     """A small (height, width) the layout can make: two by three transformer tokens."""
-    multiple = 32 if layout in ("wan22_ti2v", "ltx") else 16
-    return 2 * multiple, 3 * multiple
+    token_pixels = TINY_FAMILIES[layout].token_pixels
+    return 2 * token_pixels, 3 * token_pixels
 
 
 def frames_of(layout: str) -> int:
-    return LTX_FRAMES if layout == "ltx" else FRAMES
+    return TINY_FAMILIES[layout].frames
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +84,8 @@ def euler_pipeline(path) -> WanPipeline:
 @pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
 def test_the_ode_path_reproduces_the_diffusers_pipeline_with_its_euler_scheduler(pipelines, tiny_video_dirs, layout, guided):
     pipeline = pipelines(layout, micro_batch_size=1)
-    scale = {"guidance_scale": 4.0, "guidance_scale_2": 2.5} if guided else {"guidance_scale": 1.0}
-    if layout != "wan22_a14b":
-        scale.pop("guidance_scale_2", None)
+    record = TINY_FAMILIES[layout]
+    scale = record.guided if guided else record.unguided
     negative = "blurry" if guided else ""
     options = options_for(layout, sde_type="ode", **scale)
     (rollout,) = sample(pipeline, ["a cat sitting on a red chair"], [11], options, negative_prompts=[negative]).samples
@@ -98,7 +96,7 @@ def test_the_ode_path_reproduces_the_diffusers_pipeline_with_its_euler_scheduler
         negative_prompt=negative,
         height=height,
         width=width,
-        num_frames=FRAMES,
+        num_frames=frames_of(layout),
         num_inference_steps=STEPS,
         max_sequence_length=TEXT_LENGTH,
         **scale,
@@ -108,28 +106,25 @@ def test_the_ode_path_reproduces_the_diffusers_pipeline_with_its_euler_scheduler
     frames = pipe(**call, generator=torch.Generator().manual_seed(11), output_type="pt").frames[0]
     assert torch.equal(rollout.final_latents, latents)
     # The pipeline's frames are (F, C, H, W); a row's are SGLang's (C, F, H, W).
-    assert rollout.image.shape == (3, FRAMES, height, width)
+    assert rollout.image.shape == (3, frames_of(layout), height, width)
     assert torch.equal(rollout.image, frames.permute(1, 0, 2, 3))
 
 
-# Frames above each VAE's tile size (Wan 256 px, LTX-Video 512 px), so that tiles are decoded and blended.
-TILED_SIZES = {"wan21": (288, 320), "ltx": (544, 544)}
-
-
-@pytest.mark.parametrize("layout", ["wan21", "ltx"])
+@pytest.mark.parametrize("layout", [name for name in VIDEO_FAMILIES if TINY_FAMILIES[name].tiled_size])
 def test_video_vaes_decode_in_their_own_tiles_as_the_pipeline_with_tiling_does(tiny_video_dirs, layout):
     path = tiny_video_dirs[layout]
     tiled = load_pipeline(None, path, device="cpu", micro_batching=MicroBatching(1), max_sequence_length=TEXT_LENGTH)
     untiled = load_pipeline(None, path, device="cpu", max_sequence_length=TEXT_LENGTH, vae_tiling=False)
     assert tiled.vae_tiling and not untiled.vae_tiling
-    height, width = TILED_SIZES[layout]
+    height, width = TINY_FAMILIES[layout].tiled_size  # above the VAE's tile size: tiles are decoded and blended
     # One frame (1 = 4k + 1 = 8k + 1): the tiles are spatial, and a frame is what they cut.
     options = SamplingOptions(
         num_inference_steps=2, height=height, width=width, num_frames=1, sde_type="ode", guidance_scale=1.0
     )  # fmt: skip
     (rollout,) = sample(tiled, ["a cat"], [3], options).samples
 
-    pipe = euler_pipeline(path) if layout == "wan21" else LTXPipeline.from_pretrained(path, local_files_only=True)
+    is_wan = TINY_FAMILIES[layout].family is WanFamily
+    pipe = euler_pipeline(path) if is_wan else LTXPipeline.from_pretrained(path, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     pipe.vae.enable_tiling()
     frames = pipe(
@@ -180,14 +175,14 @@ def test_ltx_videos_ode_path_is_its_pipelines_own(pipelines, tiny_video_dirs, gu
     pipe.set_progress_bar_config(disable=True)
     call = dict(
         prompt="a cat sitting on a red chair", negative_prompt="blurry", height=height, width=width,
-        num_frames=LTX_FRAMES, frame_rate=24, num_inference_steps=STEPS, guidance_scale=scale,
+        num_frames=frames_of("ltx"), frame_rate=24, num_inference_steps=STEPS, guidance_scale=scale,
         max_sequence_length=TEXT_LENGTH,
     )  # fmt: skip
     tokens = pipe(**call, generator=torch.Generator().manual_seed(11), output_type="latent").frames
     frames = pipe(**call, generator=torch.Generator().manual_seed(11), output_type="pt").frames[0]
-    latent_shape = pipeline.latent_shape(height, width, LTX_FRAMES)
+    latent_shape = pipeline.latent_shape(height, width, frames_of("ltx"))
     assert torch.equal(rollout.final_latents, pipe._unpack_latents(tokens, *latent_shape[1:])[0])
-    assert rollout.image.shape == (3, LTX_FRAMES, height, width)
+    assert rollout.image.shape == (3, frames_of("ltx"), height, width)
     assert torch.equal(rollout.image, frames.permute(1, 0, 2, 3))
 
 
@@ -221,12 +216,11 @@ def test_ltx_videos_frame_rate_is_a_model_input_kept_for_replay(pipelines):
     assert torch.equal(replay_log_probs(pipeline, at[12].schedule, at[12].options, [video]).log_probs[0], video.log_probs)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", VIDEO_FAMILIES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replay_equals_the_rollout_exactly(pipelines, layout, dtype):
     pipeline = pipelines(layout, dtype)
-    guidance = {"guidance_scale": 3.0, **({"guidance_scale_2": 2.0} if layout == "wan22_a14b" else {})}
-    options = options_for(layout, return_denoising_env=True, **guidance)
+    options = options_for(layout, return_denoising_env=True, **TINY_FAMILIES[layout].guided)
     batch = sample(pipeline, ["a cat", "a dog in the garden"], [1, 2], options, negative_prompts=["dark", ""])
     if layout == "wan22_a14b":
         assert set(batch.schedule.model_experts.tolist()) == {0, 1}  # steps on both sides of the boundary
@@ -256,12 +250,12 @@ def test_a_two_expert_replay_needs_the_recorded_experts(pipelines):
 
 
 @pytest.mark.parametrize("invariance", list(BatchInvariance), ids=lambda invariance: invariance.value)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", VIDEO_FAMILIES)
 def test_a_video_is_the_same_alone_and_in_a_batch(pipelines, layout, invariance):
     # Micro-batches of 2: with padding the batch of 3 pads its second call; under the kernels
     # LTX-Video's guided rows run in pairs, Wan's branches in calls of their own.
     pipeline = pipelines(layout, invariance=invariance)
-    options = options_for(layout, guidance_scale=3.0, debug=True)
+    options = options_for(layout, debug=True, **TINY_FAMILIES[layout].guided)
     alone = sample(pipeline, ["a cat"], [7], options).samples[0]
     batched = sample(pipeline, ["a dog", "a cat", "a red chair"], [8, 7, 9], options).samples[1]
     for name in ("final_latents", "latents", "log_probs", "image"):
@@ -306,7 +300,7 @@ def test_frame_counts_the_model_cannot_make_are_refused_before_sampling(pipeline
 
 def test_the_family_is_read_from_model_index(tiny_video_dirs):
     for layout, path in tiny_video_dirs.items():
-        assert resolve_model(None, path) == ("ltx" if layout == "ltx" else "wan", path)
+        assert resolve_model(None, path) == (TINY_FAMILIES[layout].model, path)
 
 
 @pytest.mark.parametrize("experts", [["transformer_2"], ["transformer", "transformer_2"]], ids=["low-noise", "both"])
@@ -346,7 +340,7 @@ def test_a_video_is_written_as_an_h264_mp4_close_to_its_frames(pipelines, tmp_pa
         assert stream.codec_context.name == "h264" and stream.average_rate == 8
         decoded = torch.tensor(np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]))
     height, width = frame_size("wan21")
-    assert decoded.shape == (FRAMES, height, width, 3)
+    assert decoded.shape == (frames_of("wan21"), height, width, 3)
     # Lossy (yuv420p keeps colour at a quarter of the pixels, which on these noise-like frames costs
     # most), but by brightness its own frames, not another video's.
     brightness = decoded.float().mean(-1)

@@ -1,4 +1,4 @@
-"""SD3, FLUX.1 and Qwen-Image served end to end: one application per family, loaded from a tiny
+"""The image families (SD3, FLUX.1, Qwen-Image) served end to end: one application per family, loaded from a tiny
 diffusers directory with the family read from its model_index.json, over HTTP and the handle;
 and, with the embedded model too, the schedule on every served path.
 
@@ -18,14 +18,15 @@ from ray import serve
 from deployments.app import build_app
 from rollout.codec import from_json, from_msgpack
 from rollout.models.base import MicroBatching
-from rollout.models.registry import load_pipeline
+from rollout.models.registry import EMBEDDED_MODEL, load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.rows import schedule_of_row
 from rollout.sampler import sample
 from rollout.scorers.base import ScoringSample
 from rollout.scorers.clip import ClipScorer
-from rollout.tiny_families import build_tiny_clip
+from rollout.testing.builders import build_tiny_clip
+from rollout.testing.families import IMAGE_FAMILIES, TINY_FAMILIES
 from tests.reference_bits import (
     REFERENCE,
     batch_records,
@@ -34,8 +35,6 @@ from tests.reference_bits import (
 )
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-FAMILIES = ["sd3", "flux", "qwenimage"]
-GUIDANCE = {"sd3": {"guidance_scale": 4.5}, "flux": {"true_cfg_scale": 2.5}, "qwenimage": {"true_cfg_scale": 4.0}}
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +59,11 @@ def family_apps(serve_app, tiny_family_dirs, tiny_clip):
     _, base_url = serve_app
     targets = []
     # Two guided samples a transformer call (SD3's takes both branches: 4 rows), two images a VAE call.
-    micro_batches = {family: {"micro_batch_size": 4 if family == "sd3" else 2, "decode_batch_size": 2} for family in FAMILIES}
-    for family in FAMILIES:
+    micro_batches = {
+        family: {"micro_batch_size": 2 * TINY_FAMILIES[family].rows_per_guided_sample, "decode_batch_size": 2}
+        for family in IMAGE_FAMILIES
+    }
+    for family in IMAGE_FAMILIES:
         config = {
             "app_name": f"family-{family}",
             "model": {"path": str(tiny_family_dirs[family]), **micro_batches[family]},
@@ -80,10 +82,10 @@ def family_apps(serve_app, tiny_family_dirs, tiny_clip):
             f"{base_url}/{family}",
             load_pipeline(None, tiny_family_dirs[family], device="cpu", micro_batching=library_micro_batching(micro_batches[family])),
         )
-        for family, handle in zip(FAMILIES, handles)
+        for family, handle in zip(IMAGE_FAMILIES, handles)
     }
     yield apps
-    for family in FAMILIES:
+    for family in IMAGE_FAMILIES:
         serve.delete(f"family-{family}")
 
 
@@ -91,7 +93,7 @@ def library_micro_batching(model: dict) -> MicroBatching:
     return MicroBatching(model["micro_batch_size"], decode_default=model["decode_batch_size"])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_http_rollouts_are_the_librarys(family_apps, family, http):
     _, url, local = family_apps[family]
     body = {
@@ -104,14 +106,14 @@ def test_http_rollouts_are_the_librarys(family_apps, family, http):
         "seed": 5,
         "rollout_return_dit_trajectory": True,
         "rollout_return_denoising_env": True,
-        **GUIDANCE[family],
+        **TINY_FAMILIES[family].guided,
     }
     response = http.post(f"{url}/rollout/generate", json=body)
     assert response.status_code == 200, response.text
     rows = from_msgpack(response.content)
     assert [row["weight_version"] for row in rows] == [f"{family}-v0"] * 4
 
-    options = SamplingOptions(num_inference_steps=3, height=32, width=64, debug=True, **GUIDANCE[family])
+    options = SamplingOptions(num_inference_steps=3, height=32, width=64, debug=True, **TINY_FAMILIES[family].guided)
     prompts = ["a red cube"] * 2 + ["a lighthouse in a storm"] * 2
     expected = sample(local, prompts, [5, 6, 7, 8], options, negative_prompts=["blurry"] * 4)
     schedule = local.schedule(3, 32, 64)
@@ -131,12 +133,12 @@ def test_http_rollouts_are_the_librarys(family_apps, family, http):
     assert http.get(f"{url}/rollout/info").json()["model"] == family
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_handle_rollouts_replay_exactly(family_apps, family):
     handle, _, local = family_apps[family]
     body = {"prompt": ["a cat", "a dog"], "num_outputs_per_prompt": 2, "num_inference_steps": 3, "height": 32, "width": 32,
             "rollout_return_dit_trajectory": True}  # fmt: skip
-    batch = handle.generate.remote({**body, **GUIDANCE[family], "rollout_debug_mode": False}).result().batch()
+    batch = handle.generate.remote({**body, **TINY_FAMILIES[family].guided, "rollout_debug_mode": False}).result().batch()
     assert all(s.schedule is batch.schedule for s in batch.samples)
     replayed = replay_log_probs(local, batch.schedule, batch.options, batch.samples)
     assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
@@ -191,7 +193,7 @@ def test_concurrent_requests_of_different_sizes_are_sampled_apart(family_apps):
         assert batch.samples[0].image.shape == (3, size, size)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_served_rollouts_keep_their_bits(family_apps, family, http):
     """The fixed requests of `tests/reference_bits.py`, over HTTP (msgpack and JSON) and the handle."""
     handle, url, _ = family_apps[family]
@@ -207,14 +209,14 @@ def test_served_rollouts_keep_their_bits(family_apps, family, http):
 
 def served_rollout(family, family_apps, serve_app, embedded_pipeline):
     """(handle, url, local pipeline, a body of 2 prompts x 2 samples, 4 SDE steps) for a family."""
-    if family == "embedded-digits":
+    if family == EMBEDDED_MODEL:
         handle, url = serve_app
         return handle, url, embedded_pipeline, {"prompt": ["3", "7"], "height": 16, "width": 16}
     handle, url, local = family_apps[family]
     return handle, url, local, {"prompt": ["a red cube", "a cat"], "height": 32, "width": 64}
 
 
-@pytest.mark.parametrize("family", ["embedded-digits", *FAMILIES])
+@pytest.mark.parametrize("family", [EMBEDDED_MODEL, *IMAGE_FAMILIES])
 def test_the_schedule_survives_every_served_path(family, family_apps, serve_app, embedded_pipeline, http):
     """HTTP rows (msgpack and JSON), the handle's `batch()`, and a batch put through the object store:
     sigmas, timesteps and the time input bit-equal to the scheduler's own, and replay exact."""

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, seed, settings
 
 from benchmarks.properties import LIMITS, MODELS, REGRESSIONS, rollout_bodies
 from rollout.models.base import MicroBatching
-from rollout.models.registry import load_pipeline
+from rollout.models.registry import EMBEDDED_MODEL, load_pipeline
 from rollout.plan import plan_rollout
 from rollout.rows import schedule_of_row
 from rollout.sampler import resolve_options, sample_tree
@@ -69,7 +69,7 @@ def check_served(http, base_url, handle, library, body):
             assert torch.equal(row["rollout_debug_tensors"]["rollout_model_outputs"], leaf.debug.model_outputs)
 
 
-@pytest.mark.parametrize("case", [c for c in REGRESSIONS if c.model == "digits"], ids=lambda c: str(c.body["rollout_branch_steps"]))
+@pytest.mark.parametrize("case", [c for c in REGRESSIONS if c.model == EMBEDDED_MODEL], ids=lambda c: str(c.body["rollout_branch_steps"]))
 def test_every_counterexample_ever_found_is_served_as_the_library_samples_it(http, base_url, handle, library, case):
     check_served(http, base_url, handle, library, case.body)
 
@@ -80,7 +80,7 @@ def test_generated_requests_are_the_same_bits_over_msgpack_json_and_the_handle(h
 
     @seed(SEED)
     @settings(max_examples=budget, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(rollout_bodies(MODELS["digits"]))
+    @given(rollout_bodies(MODELS[EMBEDDED_MODEL].requests))
     def served_as_sampled(body):
         check_served(http, base_url, handle, library, body)
 

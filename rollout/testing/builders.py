@@ -1,19 +1,19 @@
 """Tiny, random-weight, fully offline copies of real diffusers pipeline families: what the tests,
-`scripts/gpu_check.py` and `benchmarks/bf16_paths.py` build the real families from.
+`scripts/gpu_check.py` and the benchmarks build the real families from (each family's builder
+is named by its record in `rollout.testing.families`).
 
 Each builder assembles a pipeline from the real model classes with tiny widths and depths but the
 real shapes and configs a sampler depends on (16 latent channels, VAE scale factor 8, SD3 patch 2,
 FLUX/Qwen 2x2 packing, the real VAE scaling/shift, the real scheduler configs), then saves it with
 `save_pretrained`, so that tests can load it with `<Pipeline>.from_pretrained(path)` like a hub
-checkpoint. Tokenizers are made in code, so nothing is downloaded. Every component is built after
-`torch.manual_seed`, so two builds write byte-identical weights. `build_tiny_clip` does the same
-for a scorer's checkpoint, a transformers `CLIPModel` with its processor.
+checkpoint. Tokenizers are made in code (`rollout.testing.tokenizers`), so nothing is downloaded.
+Every component is built after `torch.manual_seed`, so two builds write byte-identical weights.
+`build_tiny_clip` does the same for a scorer's checkpoint, a transformers `CLIPModel` with its processor.
 
     path = build_tiny_flux(tmp_path / "flux")
     pipe = FluxPipeline.from_pretrained(path)
 """
 
-import re
 from pathlib import Path
 
 import torch
@@ -35,7 +35,6 @@ from diffusers import (
     WanPipeline,
     WanTransformer3DModel,
 )
-from tokenizers.pre_tokenizers import ByteLevel
 from transformers import (
     CLIPConfig,
     CLIPImageProcessor,
@@ -48,7 +47,6 @@ from transformers import (
     CLIPVisionConfig,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
-    Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -56,19 +54,9 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-_SEED = 0
+from rollout.testing.tokenizers import tiny_clip_tokenizer, tiny_qwen2_tokenizer, tiny_t5_tokenizer
 
-# Qwen-Image's system prompt (QwenImagePipeline.prompt_template_encode). Its words double as the
-# English vocabulary of every tiny tokenizer, together with a few words that test prompts use.
-_QWEN_SYSTEM_PROMPT = (
-    "Describe the image by detailing the color, shape, size, texture, quantity, text, "
-    "spatial relationships of the objects and background:"
-)
-_PROMPT_WORDS = "a photo of a cat sitting on a red chair next to a dog in the garden"
-_CORPUS = f"{_QWEN_SYSTEM_PROMPT} {_PROMPT_WORDS}"
-# The 256 byte-level symbols, in GPT-2's id order (which is their code point order): every byte
-# string is spelt with them, so any text tokenizes with a byte-level BPE.
-_BYTE_SYMBOLS = sorted(ByteLevel.alphabet())
+_SEED = 0
 
 _LATENT_CHANNELS = 16
 # Four VAE blocks: the pipelines derive their VAE scale factor as 2 ** (len(blocks) - 1) = 8.
@@ -121,93 +109,6 @@ _WAN22_LATENTS_STD = [
     0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
     0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
 ]  # fmt: skip
-
-
-# --- Tokenizers -------------------------------------------------------------------------------
-
-
-def _learn_merges(words: list[list[str]]) -> list[tuple[str, str]]:
-    """BPE merges, in rank order, that turn each word (a list of initial symbols) into one token.
-
-    Words are taken in turn: a word is first split by the merges learnt so far, then its remaining
-    symbols are merged left to right by new, lower-priority merges, which therefore never fire
-    before the earlier ones and leave the words already learnt whole.
-    """
-    ranks: dict[tuple[str, str], int] = {}
-    for symbols in words:
-        symbols = _apply_merges(symbols, ranks)
-        while len(symbols) > 1:
-            ranks.setdefault((symbols[0], symbols[1]), len(ranks))
-            symbols = [symbols[0] + symbols[1], *symbols[2:]]
-    return list(ranks)
-
-
-def _apply_merges(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
-    """Split a word as BPE does: merge the adjacent pair of lowest rank until none is known."""
-    while True:
-        pairs = [(ranks[pair], i) for i, pair in enumerate(zip(symbols, symbols[1:])) if pair in ranks]
-        if not pairs:
-            return symbols
-        _, i = min(pairs)
-        symbols = [*symbols[:i], symbols[i] + symbols[i + 1], *symbols[i + 2 :]]
-
-
-def _pre_tokens(tokenizer, text: str) -> list[str]:
-    """`text` as the tokenizer's own normalizer and pre-tokenizer split it (byte-level mapped)."""
-    backend = tokenizer.backend_tokenizer
-    if backend.normalizer is not None:
-        text = backend.normalizer.normalize_str(text)
-    return [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
-
-
-def _clip_tokenizer(pad_token: str = "<|endoftext|>") -> CLIPTokenizer:
-    """CLIP-style byte-level BPE: lowercased words, end-of-word suffix `</w>`, 77 tokens."""
-    specials = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
-    bare = CLIPTokenizer(vocab={s: i for i, s in enumerate(_BYTE_SYMBOLS)}, merges=[], **specials)
-    # CLIP's BPE marks the last symbol of each word.
-    words = [[*word[:-1], word[-1] + "</w>"] for word in _pre_tokens(bare, _CORPUS)]
-    merges = _learn_merges(words)
-    # Like CLIP's vocabulary: bytes, bytes ending a word, merge results, then the special tokens.
-    symbols = [*_BYTE_SYMBOLS, *(s + "</w>" for s in _BYTE_SYMBOLS), *(a + b for a, b in merges)]
-    symbols += [specials["bos_token"], specials["eos_token"]]
-    vocab = {s: i for i, s in enumerate(dict.fromkeys(symbols))}
-    return CLIPTokenizer(vocab=vocab, merges=merges, pad_token=pad_token, model_max_length=77, **specials)
-
-
-def _t5_tokenizer() -> T5TokenizerFast:
-    """T5-style Unigram: `<pad>`, `</s>`, `<unk>` at ids 0-2, then `▁`-prefixed words and characters.
-
-    Like the real T5 (and because `T5TokenizerFast` rebuilds its model without byte fallback on
-    load), characters outside printable ASCII become `<unk>`.
-    """
-    specials = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
-    # Scores are log-probabilities: a whole word beats spelling it with single characters.
-    characters = [("▁", -4.0)] + [(chr(c), -8.0) for c in range(33, 127)]
-    words = [(f"▁{word}", -6.0) for word in dict.fromkeys(re.findall(r"[A-Za-z]+", _CORPUS))]
-    return T5TokenizerFast(vocab=specials + characters + words, extra_ids=0, model_max_length=512)
-
-
-_QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-_QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-
-
-def _qwen2_tokenizer() -> Qwen2Tokenizer:
-    """Qwen2-style byte-level BPE (case kept, spaces glued to the next word) with the chat tokens."""
-    bare = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(_BYTE_SYMBOLS)}, merges=[])
-    # The text of Qwen-Image's chat template between its special tokens, so that its system prefix
-    # comes to one token per word, as with the real tokenizer (see build_tiny_qwenimage).
-    corpus = f"system\n{_QWEN_SYSTEM_PROMPT}\nuser\nassistant\n {_PROMPT_WORDS}"
-    merges = _learn_merges([list(word) for word in _pre_tokens(bare, corpus)])
-    symbols = [*_BYTE_SYMBOLS, *(a + b for a, b in merges), *_QWEN_SPECIAL_TOKENS, *_QWEN_VISION_TOKENS]
-    vocab = {s: i for i, s in enumerate(dict.fromkeys(symbols))}
-    return Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=["<|im_start|>", *_QWEN_VISION_TOKENS],
-        model_max_length=131072,
-    )
 
 
 # --- Model components -------------------------------------------------------------------------
@@ -287,10 +188,10 @@ def build_tiny_sd3(path: Path, transformer_heads: int = 2) -> Path:
     positional embeddings for up to 512 px; `AutoencoderKL` (scaling 1.5305, shift 0.0609) and the
     static shift-3 flow-matching scheduler.
     """
-    clip_tokenizer = _clip_tokenizer()
+    clip_tokenizer = tiny_clip_tokenizer()
     # SD3's second CLIP tokenizer (from OpenCLIP bigG) pads with "!", not with end-of-text.
-    clip_tokenizer_2 = _clip_tokenizer(pad_token="!")
-    t5_tokenizer = _t5_tokenizer()
+    clip_tokenizer_2 = tiny_clip_tokenizer(pad_token="!")
+    t5_tokenizer = tiny_t5_tokenizer()
     text_encoder = _clip_text_encoder(CLIPTextModelWithProjection, clip_tokenizer, 32, "quick_gelu")
     text_encoder_2 = _clip_text_encoder(CLIPTextModelWithProjection, clip_tokenizer_2, 48, "gelu")
     text_encoder_3 = _t5_encoder(t5_tokenizer, d_model=96)
@@ -334,8 +235,8 @@ def build_tiny_flux(path: Path, guidance_embeds: bool = True, transformer_heads:
     `guidance_embeds=False` (FLUX.1-schnell-like); `AutoencoderKL` (scaling 0.3611, shift 0.1159)
     and FLUX.1-dev's resolution-dependent (dynamic shift) scheduler.
     """
-    clip_tokenizer = _clip_tokenizer()
-    t5_tokenizer = _t5_tokenizer()
+    clip_tokenizer = tiny_clip_tokenizer()
+    t5_tokenizer = tiny_t5_tokenizer()
     text_encoder = _clip_text_encoder(CLIPTextModel, clip_tokenizer, 32, "quick_gelu")
     text_encoder_2 = _t5_encoder(t5_tokenizer, d_model=64)
     torch.manual_seed(_SEED)
@@ -376,7 +277,7 @@ def build_tiny_qwenimage(path: Path, transformer_heads: int = 2) -> Path:
     the text encoder's output; the tokenizer is made so that the prefix has exactly that length,
     which is checked here.
     """
-    tokenizer = _qwen2_tokenizer()
+    tokenizer = tiny_qwen2_tokenizer()
     text_width = 32
     torch.manual_seed(_SEED)
     config = Qwen2_5_VLConfig(
@@ -498,7 +399,7 @@ def _save_wan(
 ) -> Path:
     """A tiny `WanPipeline` on `vae` (UMT5 of width 32, the published UniPC scheduler at `flow_shift`),
     with a second, differently drawn transformer as `transformer_2` if `two_experts`, saved to `path`."""
-    tokenizer = _t5_tokenizer()
+    tokenizer = tiny_t5_tokenizer()
     text_encoder = _t5_encoder(tokenizer, d_model=32, umt5=True)
     denoisers = {"transformer": _wan_transformer(text_encoder.config.d_model, vae.config.z_dim, transformer_heads)}
     if two_experts:
@@ -558,6 +459,7 @@ def build_tiny_wan22_ti2v(path: Path, transformer_heads: int = 2) -> Path:
     )
     return _save_wan(path, vae, flow_shift=5.0, transformer_heads=transformer_heads, expand_timesteps=True)
 
+
 # LTX-Video's published scheduler: dynamic shift over the video's latent tokens, stretched to 0.1.
 _LTX_SCHEDULER = {
     "use_dynamic_shifting": True,
@@ -578,7 +480,7 @@ def build_tiny_ltx(path: Path, transformer_heads: int = 2) -> Path:
     (4x4 pixel patches and three spatio-temporal downsamplings: 32x in space, 8x in time) at tiny
     widths, and LTX-Video's scheduler.
     """
-    tokenizer = _t5_tokenizer()
+    tokenizer = tiny_t5_tokenizer()
     text_encoder = _t5_encoder(tokenizer, d_model=32)
     torch.manual_seed(_SEED)
     transformer = LTXVideoTransformer3DModel(
@@ -637,7 +539,7 @@ def build_tiny_clip(path: Path, image_size: int = 32) -> Path:
     projection of 16, the CLIP-style tokenizer, and openai/clip-vit-large-patch14's image processor
     resizing and cropping to `image_size` instead of 224.
     """
-    tokenizer = _clip_tokenizer()
+    tokenizer = tiny_clip_tokenizer()
     tower = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
     text_config = CLIPTextConfig(
         **tower,
@@ -661,13 +563,3 @@ def build_tiny_clip(path: Path, image_size: int = 32) -> Path:
     model.save_pretrained(path)
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
     return path
-
-
-FAMILY_BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "qwenimage": build_tiny_qwenimage}
-# The video families: Wan's three layouts (all model `wan`) and LTX-Video (`ltx`).
-VIDEO_BUILDERS = {
-    "wan21": build_tiny_wan21,
-    "wan22_a14b": build_tiny_wan22_a14b,
-    "wan22_ti2v": build_tiny_wan22_ti2v,
-    "ltx": build_tiny_ltx,
-}
