@@ -15,6 +15,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from rollout.calibration import UNGUIDED, calibrate, check_batch_invariance, require_batch_invariance
+from rollout.checkpoints import disk_update
 from rollout.errors import InvalidRequestError, ModelLoadError
 from rollout.models.base import MicroBatching
 from rollout.models.registry import load_pipeline, resolve_model
@@ -24,7 +25,6 @@ from rollout.sampler import micro_batch_size, resolve_options, rows_per_sample, 
 from rollout.transitions import TransitionKind
 from rollout.weights import (
     apply_update,
-    disk_update,
     served_adapter,
     tensor_update,
     weights_checksum,
