@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO))
 
 from rollout.calibration import calibrate, check_batch_invariance, synchronize  # noqa: E402
 from rollout.kernels import BatchInvariance  # noqa: E402
-from rollout.models.base import MicroBatching  # noqa: E402
+from rollout.micro_batching import MicroBatching  # noqa: E402
 from rollout.models.flux import FluxFamily  # noqa: E402
 from rollout.models.sd3 import StableDiffusion3Family  # noqa: E402
 from rollout.models.wan import WanFamily  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 
 from benchmarks.properties import LIMITS, MODELS, REGRESSIONS, rollout_bodies
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.plan import plan_rollout
 from rollout.rows import schedule_of_row
