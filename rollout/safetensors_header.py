@@ -43,11 +43,12 @@ SAFETENSORS_DTYPES = {
 HEADER_LENGTH_BYTES = 8
 _METADATA_KEY = "__metadata__"
 # A one-tensor header as safetensors and `rollout.codec` write it, read without a JSON parser:
-# responses carry hundreds of small tensors. Sizes of up to 19 digits (any int64); anything else
-# is left to the JSON parser, which refuses what is not JSON.
+# responses carry hundreds of small tensors. Counts of up to 19 digits (any int64) written as JSON
+# writes them; anything else is left to the JSON parser, which refuses what is not JSON.
+_COUNT = rb"(?:0|[1-9][0-9]{0,18})"
 _ONE_TENSOR_HEADER = re.compile(
-    rb'\{"([\w.\-]+)":\{"dtype":"([A-Z0-9_]+)","shape":\[((?:[0-9]{1,19},)*[0-9]{1,19})?\],'
-    rb'"data_offsets":\[([0-9]{1,19}),([0-9]{1,19})\]\}\} *'
+    rb'\{"([\w.\-]+)":\{"dtype":"([A-Z0-9_]+)","shape":\[((?:' + _COUNT + rb",)*" + _COUNT + rb")?\],"
+    rb'"data_offsets":\[(' + _COUNT + rb"),(" + _COUNT + rb")\]\}\} *"
 )
 
 
