@@ -16,7 +16,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -57,8 +57,8 @@ class SafetensorsHeaderError(ValueError):
     refusal, naming what it read."""
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+# A tuple rather than a frozen dataclass: one is made for every tensor a body carries.
+class TensorEntry(NamedTuple):
     """A tensor as a checked header describes it: `begin` and `end` count bytes from the end of
     the header."""
 
@@ -82,17 +82,19 @@ def header_length(prelude: bytes | bytearray | memoryview, file_bytes: int, max_
     return length
 
 
-def tensor_entries(header: bytes, data_bytes: int, dtypes: Mapping[str, torch.dtype]) -> dict[str, TensorEntry]:
+def tensor_entries(
+    header: bytes | bytearray, data_bytes: int, dtypes: Mapping[str, torch.dtype]
+) -> dict[str, TensorEntry]:
     """The tensors a header describes, by name, checked against the `data_bytes` that follow it;
     a dtype not in `dtypes` (safetensors' names) is refused."""
     one_tensor = _ONE_TENSOR_HEADER.fullmatch(header)
     if one_tensor is not None and one_tensor[1] != _METADATA_KEY.encode():
         name, dtype_name, sizes, begin, end = one_tensor.groups()
         shape = [int(size) for size in sizes.split(b",")] if sizes else []
-        entries = {name.decode(): {"dtype": dtype_name.decode(), "shape": shape, "data_offsets": [int(begin), int(end)]}}
+        name = name.decode()
+        tensors = {name: _tensor_entry(name, dtype_name.decode(), shape, int(begin), int(end), dtypes)}
     else:
-        entries = _parsed(header)
-    tensors = {name: _tensor_entry(name, entry, dtypes) for name, entry in entries.items()}
+        tensors = {name: _tensor_entry(name, *_entry_parts(name, entry), dtypes) for name, entry in _parsed(header).items()}
     end = 0
     for name, tensor in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
         if tensor.begin != end:
@@ -121,19 +123,29 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return entries
 
 
-def _tensor_entry(name: str, entry: object, dtypes: Mapping[str, torch.dtype]) -> TensorEntry:
-    shown = short_repr(name)
+def _entry_parts(name: str, entry: object) -> tuple[object, object, object, object]:
+    """A header entry's dtype, shape, and first and last data offsets, as they are written."""
     try:
         dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
     except (KeyError, TypeError, ValueError):
-        raise SafetensorsHeaderError(f"the entry of {shown} is not a dtype, a shape and data offsets") from None
+        raise SafetensorsHeaderError(
+            f"the entry of {short_repr(name)} is not a dtype, a shape and data offsets"
+        ) from None
+    return dtype_name, shape, begin, end
+
+
+def _tensor_entry(
+    name: str, dtype_name: object, shape: object, begin: object, end: object, dtypes: Mapping[str, torch.dtype]
+) -> TensorEntry:
     dtype = dtypes.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
-        raise SafetensorsHeaderError(f"{shown} has dtype {short_repr(dtype_name)}, not one of {list(dtypes)}")
+        raise SafetensorsHeaderError(f"{short_repr(name)} has dtype {short_repr(dtype_name)}, not one of {list(dtypes)}")
     counts = [*shape, begin, end] if isinstance(shape, list) else None
     if counts is None or not all(type(count) is int and count >= 0 for count in counts) or begin > end:
-        raise SafetensorsHeaderError(f"{shown} has a shape or data offsets that are not counts")
+        raise SafetensorsHeaderError(f"{short_repr(name)} has a shape or data offsets that are not counts")
     num_bytes = math.prod(shape) * dtype.itemsize
     if end - begin != num_bytes:
-        raise SafetensorsHeaderError(f"{shown} has {end - begin} bytes of data, its shape and dtype take {num_bytes}")
+        raise SafetensorsHeaderError(
+            f"{short_repr(name)} has {end - begin} bytes of data, its shape and dtype take {num_bytes}"
+        )
     return TensorEntry(dtype, tuple(shape), begin, end)
