@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import sample

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from rollout.calibration import UNGUIDED, check_batch_invariance
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.testing.families import IMAGE_FAMILIES, TINY_FAMILIES
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.throughput import STEPS, build_families, runs
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 
 TIMED_MODULES = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")

@@ -52,8 +52,10 @@ from rollout.calibration import require_batch_invariance
 from rollout.cost import transformer_cost
 from rollout.dataset import PER_SAMPLE_TENSORS, RolloutDatasetWriter, load_rollouts
 from rollout.errors import ModelLoadError
-from rollout.models.base import BatchInvariance, MicroBatching
-from rollout.models.registry import EMBEDDED_MODEL, load_pipeline
+from rollout.kernels import BatchInvariance
+from rollout.micro_batching import MicroBatching
+from rollout.models.choice import EMBEDDED_MODEL
+from rollout.models.registry import load_pipeline
 from rollout.options import MAX_SEED
 from rollout.plan import RequestLimits, plan_rollout
 from rollout.replay import replay_log_probs, replayable_steps

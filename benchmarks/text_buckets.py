@@ -18,7 +18,7 @@ from pathlib import Path
 
 from benchmarks.serving import Spread
 from benchmarks.throughput import SIZE, STEPS, build_families
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import sample_call

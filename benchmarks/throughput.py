@@ -37,7 +37,7 @@ import torch
 from benchmarks.serving import Spread, take_turns
 from rollout.calibration import calibrate
 from rollout.kernels import BatchInvariance
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import sample

@@ -275,7 +275,7 @@ def serve(arguments: argparse.Namespace) -> None:
 
 
 def _image_size(text: str) -> tuple[int, int]:
-    from rollout.models.base import parse_image_size
+    from rollout.micro_batching import parse_image_size
 
     size = parse_image_size(text)
     if size is None:
@@ -289,7 +289,7 @@ def calibrate(arguments: argparse.Namespace) -> None:
     from rollout.calibration import calibrate as measure
     from rollout.calibration import check_batch_invariance
     from rollout.errors import RolloutError
-    from rollout.models.base import MicroBatching
+    from rollout.micro_batching import MicroBatching
     from rollout.models.registry import load_pipeline
 
     sizes = [_image_size(text) for text in arguments.size or []]

@@ -29,7 +29,7 @@ from rollout.errors import (
     clip,
     short_repr,
 )
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.choice import EMBEDDED_MODEL, check_model_choice
 from rollout.plan import RequestLimits
 from rollout.schema import RequestValidation

@@ -26,14 +26,13 @@ from ray import serve
 from ray.serve.schema import LoggingConfig
 
 from deployments.broadcast import Command, CommandLog, Posted, Report
-from rollout.errors import RolloutError, clip
+from rollout.checkpoints import disk_update
+from rollout.errors import RolloutError, WeightUpdateError, clip
 from rollout.weights import (
     DEFAULT_TARGET_MODULE,
     TensorLayout,
     WeightUpdate,
-    WeightUpdateError,
     apply_update,
-    disk_update,
     tensor_update,
     weights_checksum,
 )

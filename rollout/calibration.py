@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.conditioning import Conditioning
 from rollout.errors import ModelLoadError
 from rollout.kernels import BatchInvariance
-from rollout.models.base import Conditioning, RolloutPipeline
+from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, pad_conditioning, resolve_options, rows_per_sample, sample
 

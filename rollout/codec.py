@@ -5,10 +5,10 @@ Compatible with SGLang's diffusion rollout API: a tensor travels as
 "dtype": "torch.float32"}``; `data` is raw bytes in msgpack bodies and base64 text in JSON.
 Decoding parses safetensors and msgpack only, so it never unpickles anything.
 
-The one-tensor safetensors file is written and read here directly rather than through
-safetensors' dict API, whose per-call work dominated small tensors and copied large ones
-several times (`docs/benchmarks.md`): an 8-byte little-endian header length, a JSON header
-padded with spaces to a multiple of 8, then the bytes. `tests/test_codec.py` checks that the
+The one-tensor safetensors file is written here and read with `rollout.safetensors_header`
+rather than through safetensors' dict API, whose per-call work dominated small tensors and copied
+large ones several times (`docs/benchmarks.md`): an 8-byte little-endian header length, a JSON
+header padded with spaces to a multiple of 8, then the bytes. `tests/test_codec.py` checks that the
 bytes are the library's, byte for byte, and that the library reads them.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,33 +26,21 @@ import msgpack
 import torch
 
 from rollout.errors import CodecError, short_repr
+from rollout.safetensors_header import (
+    HEADER_LENGTH_BYTES,
+    SAFETENSORS_DTYPES,
+    SafetensorsHeaderError,
+    header_length,
+    tensor_entries,
+)
 
 TENSOR_MARKER = "__tensor__"
 _TENSOR_KEY = "t"
-# The safetensors format's dtype names (its `Dtype`), for every file this project reads.
-SAFETENSORS_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "U16": torch.uint16,
-    "I16": torch.int16,
-    "U32": torch.uint32,
-    "I32": torch.int32,
-    "U64": torch.uint64,
-    "I64": torch.int64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-}
 # The dtypes a tensor envelope carries (SGLang's), by safetensors name.
-_ENVELOPE_DTYPE_NAMES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
-_TORCH_DTYPES = {name: SAFETENSORS_DTYPES[name] for name in _ENVELOPE_DTYPE_NAMES}
+_TORCH_DTYPES = {
+    name: SAFETENSORS_DTYPES[name] for name in ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
+}
 _SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
-_ITEM_SIZES = {name: dtype.itemsize for name, dtype in _TORCH_DTYPES.items()}
-_HEADER_LENGTH_BYTES = 8
 # A one-tensor header is about 100 bytes; safetensors allows 100 MB, which as JSON took 1.6 GB
 # and 3.8 s to refuse. This leaves room for a shape of any rank and some `__metadata__`.
 _MAX_HEADER_BYTES = 64 * 2**10
@@ -78,7 +65,7 @@ def _safetensors_parts(tensor: torch.Tensor) -> tuple[bytes, Any, int]:
     header += " " * (-len(header) % 8)
     # A view of the tensor's own storage (numpy has no bfloat16: its bits travel as int16).
     data = (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy() if nbytes else b""
-    return len(header).to_bytes(_HEADER_LENGTH_BYTES, "little") + header.encode(), data, nbytes
+    return len(header).to_bytes(HEADER_LENGTH_BYTES, "little") + header.encode(), data, nbytes
 
 
 def safetensors_bytes(tensor: torch.Tensor) -> bytes:
@@ -87,68 +74,25 @@ def safetensors_bytes(tensor: torch.Tensor) -> bytes:
     return b"".join((head, data))
 
 
-# Sizes of up to 19 digits (any int64); a longer one is left to the JSON parser, which refuses it.
-_CANONICAL_HEADER = re.compile(
-    rb'\{"' + _TENSOR_KEY.encode() + rb'":\{"dtype":"([A-Z0-9]+)","shape":\[((?:[0-9]{1,19},)*[0-9]{1,19})?\],"data_offsets":\[0,([0-9]{1,19})\]\}\} *'
-)
-
-
-def _parse_header(header: bytes) -> tuple[Any, Any, Any]:
-    """(dtype name, shape, data offsets) of a one-tensor safetensors header in any JSON layout."""
-    try:
-        parsed = json.loads(header)
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise CodecError(f"tensor envelope: data is not a safetensors file: bad header: {error}") from None
-    if not isinstance(parsed, dict):
-        raise CodecError("tensor envelope: data is not a safetensors file: its header is not a map")
-    parsed.pop("__metadata__", None)
-    if set(parsed) != {_TENSOR_KEY}:
-        raise CodecError(f"tensor envelope: expected exactly the key {_TENSOR_KEY!r}, got {sorted(parsed)}")
-    entry = parsed[_TENSOR_KEY]
-    if not isinstance(entry, dict):
-        raise CodecError(f"tensor envelope: data is not a safetensors file: bad entry {str(entry)[:200]}")
-    return entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-
-
 def tensor_from_safetensors(data: bytes) -> torch.Tensor:
     """The tensor under key "t" of a one-tensor safetensors file, copied once out of `data`.
 
-    Validates as strictly as the safetensors library: the header must be JSON with exactly key
-    "t", a known dtype, a shape of non-negative integers and offsets that cover the data exactly.
+    Validates as strictly as the safetensors library (`rollout.safetensors_header`): a header of
+    exactly key "t", a known dtype, a shape of non-negative integers and offsets that cover the
+    data exactly.
     """
-    if len(data) < _HEADER_LENGTH_BYTES:
-        raise CodecError("tensor envelope: data is not a safetensors file: too short for its header length")
-    header_length = int.from_bytes(data[:_HEADER_LENGTH_BYTES], "little")
-    if header_length > min(_MAX_HEADER_BYTES, len(data) - _HEADER_LENGTH_BYTES):
-        raise CodecError(f"tensor envelope: data is not a safetensors file: header length {header_length} is out of range")
-    start = _HEADER_LENGTH_BYTES + header_length
-    canonical = _CANONICAL_HEADER.fullmatch(data, _HEADER_LENGTH_BYTES, start)
-    if canonical is not None:  # what this codec and safetensors write: no JSON parser needed
-        name, sizes, end = canonical.groups()
-        dtype_name, shape, offsets = name.decode(), [int(size) for size in sizes.split(b",")] if sizes else [], [0, int(end)]
-    else:
-        dtype_name, shape, offsets = _parse_header(bytes(data[_HEADER_LENGTH_BYTES:start]))
-    dtype = _TORCH_DTYPES.get(dtype_name)
-    if (
-        dtype is None
-        or not isinstance(shape, list)
-        or not all(type(size) is int and size >= 0 for size in shape)
-        or not isinstance(offsets, list)
-        or len(offsets) != 2
-    ):
-        raise CodecError(
-            f"tensor envelope: data is not a safetensors file: bad entry {dtype_name!r} {str(shape)[:100]} {str(offsets)[:100]}"
-        )
-    nbytes = math.prod(shape) * _ITEM_SIZES[dtype_name]
-    if offsets != [0, nbytes] or len(data) - start != nbytes:
-        raise CodecError(
-            f"tensor envelope: data is not a safetensors file: {len(data) - start} data bytes, "
-            f"offsets {offsets}, {nbytes} expected for {dtype_name} {shape}"
-        )
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+    try:
+        start = HEADER_LENGTH_BYTES + header_length(data, len(data), _MAX_HEADER_BYTES)
+        tensors = tensor_entries(data[HEADER_LENGTH_BYTES:start], len(data) - start, _TORCH_DTYPES)
+    except SafetensorsHeaderError as error:
+        raise CodecError(f"tensor envelope: data is not a safetensors file: {error}") from None
+    if set(tensors) != {_TENSOR_KEY}:
+        raise CodecError(f"tensor envelope: expected exactly the key {_TENSOR_KEY!r}, got {short_repr(sorted(tensors))}")
+    tensor = tensors[_TENSOR_KEY]
+    if tensor.end == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
     # One copy, into a buffer the tensor owns: `data` is immutable bytes.
-    return torch.frombuffer(bytearray(memoryview(data)[start:]), dtype=dtype).reshape(shape)
+    return torch.frombuffer(bytearray(memoryview(data)[start:]), dtype=tensor.dtype).reshape(tensor.shape)
 
 
 def encode_tensor(tensor: torch.Tensor, binary: bool = True) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from typing import Sequence
 
 import torch
 
+from rollout.conditioning import BucketedConditioning
 from rollout.errors import InvalidRequestError
-from rollout.models.base import BucketedConditioning, RolloutPipeline
+from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import pad_buckets, predict_velocity
 from rollout.schedule import ScheduleSnapshot

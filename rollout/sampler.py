@@ -27,14 +27,10 @@ from typing import Sequence
 
 import torch
 
+from rollout.conditioning import BucketedConditioning, Conditioning, ConditioningBucket
 from rollout.errors import InvalidRequestError
 from rollout.kernels import zero_padded
-from rollout.models.base import (
-    BucketedConditioning,
-    Conditioning,
-    ConditioningBucket,
-    RolloutPipeline,
-)
+from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions, check_seed
 from rollout.trajectory import RolloutBatch, SampleTrajectory, StepDebug
 from rollout.tree import Branching, TreeRoot, roots_of

@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO))
 
 from rollout.calibration import calibrate, check_batch_invariance, synchronize  # noqa: E402
 from rollout.kernels import BatchInvariance  # noqa: E402
-from rollout.models.base import MicroBatching  # noqa: E402
+from rollout.micro_batching import MicroBatching  # noqa: E402
 from rollout.options import SamplingOptions  # noqa: E402
 from rollout.replay import replay_log_probs  # noqa: E402
 from rollout.sampler import resolve_options, rows_per_sample, sample  # noqa: E402

@@ -211,7 +211,7 @@ def current_kernel_set() -> str:
 def library_digests() -> dict[str, dict[str, str]]:
     """The digests of every library rollout (`LIBRARY_RUNS` on each of `LIBRARY_FAMILIES`) by key,
     run here: `test_reference_bits.py` runs it in a subprocess held to AVX2."""
-    from rollout.models.base import MicroBatching
+    from rollout.micro_batching import MicroBatching
     from rollout.models.digits import DigitFlowPipeline
     from rollout.models.registry import load_pipeline
     from rollout.options import SamplingOptions

@@ -6,7 +6,7 @@ import pytest
 
 from rollout.cost import TransformerCost, transformer_cost
 from rollout.kernels import BatchInvariance
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, resolve_options, sample_tree

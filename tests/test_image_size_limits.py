@@ -11,8 +11,9 @@ import re
 import pytest
 import torch
 
+from rollout.conditioning import Conditioning
 from rollout.errors import InvalidRequestError
-from rollout.models.base import Conditioning, ImageSizeLimits
+from rollout.models.base import ImageSizeLimits
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import sample

@@ -14,7 +14,7 @@ from peft.utils import get_peft_model_state_dict
 from rollout.calibration import calibrate, check_batch_invariance, require_batch_invariance
 from rollout.errors import InvalidRequestError, ModelLoadError
 from rollout.kernels import BatchInvariance, BatchInvariantKernels, branches_in_one_call
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs, transition_log_probs
@@ -273,7 +273,7 @@ def test_the_device_check_holds_under_kernels_and_sees_what_they_are_for(family_
     assert check.holds and check.device == "cpu"
     require_batch_invariance(family_pipelines[family], SIZE, SIZE)
     # Unpadded calls with the stock kernels: the check sees the difference, and a server refuses them.
-    monkeypatch.setattr("rollout.models.base.kernels_for", lambda invariance: contextlib.nullcontext())
+    monkeypatch.setattr("rollout.micro_batching.kernels_for", lambda invariance: contextlib.nullcontext())
     assert check_batch_invariance(family_pipelines[family], SIZE, SIZE, guided).velocity_difference > 0
     with pytest.raises(ModelLoadError) as caught:
         require_batch_invariance(family_pipelines[family], SIZE, SIZE)

@@ -15,8 +15,9 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from rollout.calibration import UNGUIDED, calibrate, check_batch_invariance, require_batch_invariance
+from rollout.checkpoints import disk_update
 from rollout.errors import InvalidRequestError, ModelLoadError
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
@@ -25,7 +26,6 @@ from rollout.testing.families import IMAGE_FAMILIES, TINY_FAMILIES
 from rollout.transitions import TransitionKind
 from rollout.weights import (
     apply_update,
-    disk_update,
     served_adapter,
     tensor_update,
     weights_checksum,

@@ -10,8 +10,9 @@ import torch
 
 from rollout.dataset import RolloutDatasetWriter, load_rollouts
 from rollout.errors import InvalidRequestError
-from rollout.models.base import MicroBatching
-from rollout.models.registry import EMBEDDED_MODEL, load_pipeline
+from rollout.micro_batching import MicroBatching
+from rollout.models.choice import EMBEDDED_MODEL
+from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.rows import schedule_of_row

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollout.errors import InvalidRequestError
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs

@@ -19,7 +19,7 @@ from peft.utils import get_peft_model_state_dict
 
 from rollout.errors import InvalidRequestError, ModelLoadError
 from rollout.kernels import BatchInvariance
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs

@@ -28,16 +28,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from rollout.conditioning import BucketedConditioning, Conditioning
 from rollout.errors import ModelLoadError, UnknownPromptError
 from rollout.kernels import zero_padded
-from rollout.models.base import (
-    BucketedConditioning,
-    Conditioning,
-    ImageSizeLimits,
-    MicroBatching,
-    check_image_frames,
-    check_single_denoiser,
-)
+from rollout.micro_batching import MicroBatching
+from rollout.models.base import ImageSizeLimits, check_image_frames, check_single_denoiser
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 

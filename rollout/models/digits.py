@@ -18,12 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from rollout.conditioning import BucketedConditioning, Conditioning
 from rollout.errors import InvalidRequestError, UnknownPromptError, short_repr
+from rollout.micro_batching import MicroBatching
 from rollout.models.base import (
-    BucketedConditioning,
-    Conditioning,
     ImageSizeLimits,
-    MicroBatching,
     batched_cfg_velocity,
     cfg_scale,
     check_image_frames,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.models.base import Conditioning
+from rollout.conditioning import Conditioning
 from rollout.models.diffusers_family import PackedLatentFamily
 from rollout.options import SamplingOptions
 

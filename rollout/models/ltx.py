@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollout.conditioning import Conditioning
 from rollout.kernels import branches_in_one_call
-from rollout.models.base import Conditioning, ImageSizeLimits, check_single_denoiser, latent_frame_count
+from rollout.models.base import ImageSizeLimits, check_single_denoiser, latent_frame_count
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot

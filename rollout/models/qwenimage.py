@@ -16,7 +16,8 @@ import dataclasses
 
 import torch
 
-from rollout.models.base import Conditioning, ImageSizeLimits
+from rollout.conditioning import Conditioning
+from rollout.models.base import ImageSizeLimits
 from rollout.models.diffusers_family import PackedLatentFamily
 from rollout.options import SamplingOptions
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from rollout.errors import ModelLoadError
-from rollout.models.base import MicroBatching, RolloutPipeline
+from rollout.micro_batching import MicroBatching
+from rollout.models.base import RolloutPipeline
 from rollout.models.choice import EMBEDDED_MODEL, check_model_choice
 from rollout.models.digits import DEFAULT_WEIGHTS, DigitFlowPipeline
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from rollout.models.base import Conditioning, ImageSizeLimits, batched_cfg_velocity, cfg_scale, check_single_denoiser
+from rollout.conditioning import Conditioning
+from rollout.models.base import ImageSizeLimits, batched_cfg_velocity, cfg_scale, check_single_denoiser
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from rollout.conditioning import Conditioning
 from rollout.errors import InvalidRequestError
-from rollout.models.base import Conditioning, ImageSizeLimits, latent_frame_count
+from rollout.models.base import ImageSizeLimits, latent_frame_count
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot

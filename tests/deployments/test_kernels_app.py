@@ -4,7 +4,7 @@ and a sample's bits are the library's for that sample alone, whatever it was bat
 import torch
 
 from rollout.kernels import BatchInvariance
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.sampler import sample
 

@@ -17,8 +17,9 @@ from ray import serve
 
 from deployments.app import build_app
 from rollout.codec import from_json, from_msgpack
-from rollout.models.base import MicroBatching
-from rollout.models.registry import EMBEDDED_MODEL, load_pipeline
+from rollout.micro_batching import MicroBatching
+from rollout.models.choice import EMBEDDED_MODEL
+from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.rows import schedule_of_row

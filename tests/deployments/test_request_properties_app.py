@@ -8,8 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 
 from benchmarks.properties import LIMITS, MODELS, REGRESSIONS, rollout_bodies
-from rollout.models.base import MicroBatching
-from rollout.models.registry import EMBEDDED_MODEL, load_pipeline
+from rollout.micro_batching import MicroBatching
+from rollout.models.choice import EMBEDDED_MODEL
+from rollout.models.registry import load_pipeline
 from rollout.plan import plan_rollout
 from rollout.rows import schedule_of_row
 from rollout.sampler import resolve_options, sample_tree

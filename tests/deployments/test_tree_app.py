@@ -8,7 +8,7 @@ import torch
 
 from deployments.dispatch import request_cost
 from rollout.cost import TransformerCost
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, resolve_options, sample_tree

@@ -11,7 +11,7 @@ from ray import serve
 from deployments import job
 from deployments.app import build_app
 from rollout.dataset import load_rollouts
-from rollout.models.base import MicroBatching
+from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs

@@ -25,15 +25,11 @@ from deployments.app import build_app
 from deployments.memory import MemoryReleasedError
 from deployments.weights import ObjectStoreTensors
 from rollout.codec import TensorEncoder, from_msgpack
+from rollout.errors import WeightUpdateError
 from rollout.models.digits import DEFAULT_WEIGHTS
 from rollout.models.registry import load_pipeline
 from rollout.replay import replay_log_probs, transition_log_probs
-from rollout.weights import (
-    WeightUpdateError,
-    apply_update,
-    tensor_update,
-    weights_checksum,
-)
+from rollout.weights import apply_update, tensor_update, weights_checksum
 
 APP_NAME = "rollout-weights"
 
