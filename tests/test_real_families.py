@@ -149,14 +149,16 @@ def test_concurrent_requests_of_different_sizes_keep_their_own_schedule(pipeline
     assert torch.equal(pipeline.scheduler.sigmas, before)  # the pipeline's scheduler is never set
 
 
-@pytest.mark.parametrize("family", ["flux", "qwenimage"])
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 def test_the_transformer_time_input_is_the_familys_own(pipelines, family):
     for dtype in ("float32", "bfloat16"):
         schedule = pipelines(family, dtype).schedule(10, SIZE, SIZE)
-        assert torch.equal(schedule.model_timesteps, (schedule.timesteps.to(getattr(torch, dtype)) / 1000).float())
-    # In bf16 it is not sigmas: the model was trained on the rounded input.
-    assert not torch.equal(schedule.model_timesteps, schedule.sigmas[:-1])
-    assert torch.equal(pipelines("sd3").schedule(10, SIZE, SIZE).model_timesteps, pipelines("sd3").schedule(10, SIZE, SIZE).timesteps)
+        if TINY_FAMILIES[family].inputs.time_per_1000:
+            assert torch.equal(schedule.model_timesteps, (schedule.timesteps.to(getattr(torch, dtype)) / 1000).float())
+            # Not sigmas in bf16: the model was trained on the rounded input.
+            assert dtype == "float32" or not torch.equal(schedule.model_timesteps, schedule.sigmas[:-1])
+        else:
+            assert torch.equal(schedule.model_timesteps, schedule.timesteps)
 
 
 @pytest.mark.parametrize("family", IMAGE_FAMILIES)
@@ -361,18 +363,12 @@ def test_denoising_env_holds_every_transformer_input(pipelines, family):
     fields = guidance(family, True)
     options = SamplingOptions(num_inference_steps=2, height=32, width=SIZE, return_denoising_env=True, **fields)
     env = sample(pipeline, ["a cat"], [0], options).samples[0].denoising_env
-    tokens = (32 // 16) * (SIZE // 16)
-    expected = {
-        "sd3": ({"encoder_hidden_states", "pooled_projections"}, None, False),
-        "flux": ({"encoder_hidden_states", "pooled_projections", "txt_ids"}, {"img_ids": (tokens, 3)}, True),
-        "qwenimage": ({"encoder_hidden_states", "encoder_hidden_states_mask"}, {"img_shapes": (3,)}, False),
-    }[family]
-    branch_keys, image_shapes, has_guidance = expected
-    assert set(env["pos_cond_kwargs"]) == set(env["neg_cond_kwargs"]) == branch_keys
-    assert (env["image_kwargs"] is None) == (image_shapes is None)
-    for name, shape in (image_shapes or {}).items():
-        assert tuple(env["image_kwargs"][name].shape) == shape
-    assert (env["guidance"] is not None) == has_guidance
+    inputs = TINY_FAMILIES[family].inputs
+    assert set(env["pos_cond_kwargs"]) == set(env["neg_cond_kwargs"]) == inputs.per_branch
+    assert set(env["image_kwargs"] or ()) == inputs.image
+    assert (env["guidance"] is not None) == inputs.guidance
+    if family == "flux":
+        assert tuple(env["image_kwargs"]["img_ids"].shape) == ((32 // 16) * (SIZE // 16), 3)  # a row per token
     if family == "qwenimage":
         mask = env["pos_cond_kwargs"]["encoder_hidden_states_mask"]
         # padded to its length bucket, not to max_sequence_length

@@ -75,6 +75,25 @@ class GpuCheck:
 
 
 @dataclass(frozen=True)
+class TransformerInputs:
+    """What the family's transformer takes besides the latents and the time, as a sample's
+    `denoising_env` returns it (SGLang's layout), and the time input it is given.
+
+    Attributes:
+        per_branch: the inputs of each guidance branch (`pos_cond_kwargs`, `neg_cond_kwargs`).
+        image: the image inputs (`image_kwargs`: positions, shapes); empty where there are none.
+        guidance: whether the model takes an embedded guidance input (FLUX.1-dev's).
+        time_per_1000: whether the time input is the scheduler's timesteps in the model's dtype
+            over 1000 (as the family's diffusers pipeline passes it) rather than the timesteps.
+    """
+
+    per_branch: frozenset[str]
+    image: frozenset[str] = frozenset()
+    guidance: bool = False
+    time_per_1000: bool = False
+
+
+@dataclass(frozen=True)
 class TinyFamily:
     """A tiny copy of a family and the settings the tests, benchmarks and GPU check run it with.
 
@@ -96,6 +115,7 @@ class TinyFamily:
         tiled_size: a (height, width) above the VAE's tile size, where a decode cuts tiles and
             blends them (None: the tiling test leaves the copy out).
         throughput_steps: the steps `benchmarks.throughput` times the family at (None: not timed).
+        inputs: what its transformer takes (None: not checked for the copy).
         requests: what `benchmarks.properties` draws for the model (None: another copy of the same
             model stands for it).
         gpu_check: how `scripts/gpu_check.py` runs it at its published size (None: it does not).
@@ -111,6 +131,7 @@ class TinyFamily:
     token_pixels: int = 16
     tiled_size: tuple[int, int] | None = None
     throughput_steps: int | None = None
+    inputs: TransformerInputs | None = None
     requests: RequestSpace | None = None
     gpu_check: GpuCheck | None = None
 
@@ -158,6 +179,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             unguided={"guidance_scale": 1.0},
             trained={"guidance_scale": 4.5},
             throughput_steps=28,
+            inputs=TransformerInputs(frozenset({"encoder_hidden_states", "pooled_projections"})),
             requests=RequestSpace(WORDS, budget=10, sizes=(None, 32), guidance_scales=(None, 1.0, 4.5)),
             gpu_check=GpuCheck("sd35_medium", budget_weight=1.0),
         ),
@@ -169,6 +191,12 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             unguided={"guidance_scale": 3.5},  # FLUX.1-dev's embedded guidance, no CFG
             trained={"guidance_scale": 3.5},
             throughput_steps=28,
+            inputs=TransformerInputs(
+                frozenset({"encoder_hidden_states", "pooled_projections", "txt_ids"}),
+                image=frozenset({"img_ids"}),
+                guidance=True,
+                time_per_1000=True,
+            ),
             requests=RequestSpace(
                 WORDS, budget=10, sizes=(32, 48), guidance_scales=(None, 3.5), true_cfg_scales=(None, 1.0, 2.0)
             ),
@@ -182,6 +210,11 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             unguided={"true_cfg_scale": 1.0},
             trained={"true_cfg_scale": 4.0},
             throughput_steps=10,
+            inputs=TransformerInputs(
+                frozenset({"encoder_hidden_states", "encoder_hidden_states_mask"}),
+                image=frozenset({"img_shapes"}),
+                time_per_1000=True,
+            ),
             requests=RequestSpace(WORDS, budget=10, sizes=(32, 48), true_cfg_scales=(None, 1.0, 3.0), min_steps=2),
         ),
         TinyFamily(
