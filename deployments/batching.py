@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from rollout.options import SamplingOptions
-from rollout.plan import DeadlineExceededError, SamplingWork
+from deployments.work import DeadlineExceededError, SamplingWork
 
 
 @dataclass

@@ -6,7 +6,7 @@ import pytest
 
 from deployments.batching import SamplingQueue
 from rollout.options import SamplingOptions
-from rollout.plan import SamplingWork
+from deployments.work import SamplingWork
 
 FOUR_STEPS, SIX_STEPS = SamplingOptions(num_inference_steps=4), SamplingOptions(num_inference_steps=6)
 

@@ -14,7 +14,7 @@ import torch
 from deployments.config import RolloutAppConfig
 from deployments.dispatch import Dispatcher
 from deployments.scoring import scoring_samples
-from deployments.worker import WorkerResult
+from deployments.work import WorkerResult
 from rollout.advantages import group_advantages
 from rollout.errors import InvalidRequestError, ScorerError
 from rollout.models.registry import load_pipeline
@@ -187,7 +187,7 @@ def test_an_http_request_whose_scoring_failed_is_scored_again_from_its_kept_samp
     with pytest.raises(ScorerError, match="the samples are kept 60 s"):
         asyncio.run(ingress.sampled(plan(**asked)))
     # The same request again, nulls now acceptable: scored from the kept samples, none sampled.
-    (part,) = asyncio.run(ingress.sampled(plan(**asked, rollout_reward_on_error="null")))
+    (part,) = asyncio.run(ingress.sampled(plan(**asked, rollout_reward_on_error="null"))).parts
     assert len(workers.sent) == 1 and [s.rewards["broken"] for s in part.batch.samples] == [0.25] * 3
     # Kept once: sent a third time, or with another seed, the request is sampled.
     asyncio.run(ingress.sampled(plan(**asked)))
