@@ -13,7 +13,7 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.batching import SamplingQueue
+from deployments.batching import BatchingQueue
 from deployments.broadcast import Follower
 from deployments.config import RolloutAppConfig
 from deployments.memory import MemoryOccupation
@@ -71,12 +71,13 @@ class RolloutWorker:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
         self._failed_calls_in_a_row = 0
-        self._queue = SamplingQueue(
+        self._queue = BatchingQueue(
             self._sample_on_thread,
-            lambda options: micro_batch_size(self.pipeline, options),
             config.max_batch_size,
-            config.batch_wait_timeout_s,
-            config.batch_lone_wait_s,
+            group_of=lambda work: work.options,
+            micro_batch_size=lambda options: micro_batch_size(self.pipeline, options),
+            wait_s=config.batch_wait_timeout_s,
+            lone_wait_s=config.batch_lone_wait_s,
         )
         self.weights = ServedWeights(self.pipeline, config.weight_version)
         self.memory = MemoryOccupation(self.pipeline)
