@@ -46,7 +46,6 @@ from rollout.plan import RequestLimits, plan_rollout
 from rollout.rows import response_rows
 from rollout.sampler import sample
 from rollout.schema import RolloutRequest
-from rollout.trajectory import RolloutBatch
 
 STEPS = 20
 LIGHT = {"num_inference_steps": STEPS, "rollout_debug_mode": False}
@@ -123,10 +122,10 @@ class Suite:
 
     def worker_results(self, one) -> None:
         body = request(16, **LIGHT)
-        parts = one.generate.remote(body).result().fetch().parts
-        stored = stored_bytes(parts) / 16
+        fetched = one.generate.remote(body).result().fetch()
+        stored = stored_bytes(fetched.parts) / 16
         sent = len(msgpack_body(self.session, self.url("one"), body)) / 16
-        handle_tensors = tensor_bytes(RolloutBatch.concat([part.batch for part in parts])) / 16
+        handle_tensors = tensor_bytes(fetched.batch()) / 16
         self.targets.append(
             ("worker result bytes per sample, light request", f"{stored / 1e3:.2f} KB (HTTP body {sent / 1e3:.2f} KB)",
              "what the response uses, +10%")

@@ -16,8 +16,8 @@ tests), so it is tested without Serve, as `deployments/batching.py` is:
   `worker_retry_attempts` tries, `WorkerLostError` (`deployments/retries.py`);
 - score: a request that asks for rewards has each part scored as soon as it is fetched
   (`deployments/scoring.py`);
-- cancel: interrupted (the client went away, the deadline passed, the server is stopping), the
-  parts still queued on the workers are cancelled;
+- cancel: interrupted over HTTP (the client went away, the deadline passed, the server is
+  stopping), the parts still queued on the workers are cancelled;
 - deadline: past `rollout_timeout_s` (or the app's `request_timeout_s`) the request fails with
   `DeadlineExceededError`, whether it is still being sent or fetched, over HTTP or through the
   handle alike (`within_deadline`), and the workers drop its work that is still queued.
@@ -29,7 +29,6 @@ this module's event-loop thread: one implementation, whichever way a trainer cal
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import threading
 import time
@@ -268,8 +267,7 @@ class UnscoredResults:
         if key not in self._kept:
             return None
         _, result = self._kept.pop(key)
-        scoring = dataclasses.replace(result.scoring, plan=plan.rewards)
-        return dataclasses.replace(result, deadline=deadline, scoring=scoring)
+        return replace(result, deadline=deadline, scoring=replace(result.scoring, plan=plan.rewards))
 
 
 class Dispatcher:
