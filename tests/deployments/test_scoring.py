@@ -115,10 +115,11 @@ def test_rewards_are_the_scorers_own_on_the_returned_images_and_advantages_flow_
 def test_a_part_is_scored_while_the_next_is_still_sampled(pipeline):
     log = []
     result, _ = rollout(pipeline, plan(rollout_reward_models=["ink"]), Scorers(log), delays=(0.0, 0.6), log=log)
-    result.batch()
+    times = result.fetch().reward_times  # the request's, once
     events = [(kind, what) for kind, what, _ in sorted(log, key=lambda e: e[2])]
     # The first part (samples 0-2) is scored before the second (seed 3 on) is fetched.
     assert events.index(("scored", "ink")) < events.index(("fetched", 3))
+    assert 0 < times.reward_wait_s < times.reward_time_s  # the first part's scoring hid behind sampling
 
 
 def test_a_group_aware_scorer_gets_each_prompts_whole_group_across_parts(pipeline):
