@@ -158,7 +158,8 @@ class RolloutResult:
         fetches = [self._fetched(part, work) for part, work in zip(self.parts, self.works)]
         if self.scoring is None:
             return FetchedRollout(await self._in_time(_gathered(fetches), timeout_s))
-        parts, reward_times = await self._in_time(self.scoring.scored(fetches, [len(work) for work in self.works]), timeout_s)
+        scored = self.scoring.scored(fetches, [len(work) for work in self.works])
+        parts, reward_times = await self._in_time(scored, timeout_s)
         return FetchedRollout(parts, reward_times)
 
     async def batch_async(self, timeout_s: float | None = None) -> RolloutBatch:

@@ -26,5 +26,7 @@ async def asked_until_not_lost(
         try:
             return await attempt(n)
         except lost as error:
-            logger.warning("%s: the replica asked was lost (%s), attempt %d of %d", asker, type(error).__name__, n, attempts)
+            logger.warning(
+                "%s: the replica asked was lost (%s), attempt %d of %d", asker, type(error).__name__, n, attempts
+            )
     raise gave_up(attempts)
