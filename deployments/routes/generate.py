@@ -71,8 +71,8 @@ class GenerateRoutes:
             logger.exception("rollout request %s failed", request_id)
             return internal_error_response(request_id)
         peak_memory_mb = max((p.peak_memory_mb for p in fetched.parts if p.peak_memory_mb is not None), default=None)
-        # The response's inference_time_s: the whole request's wall time here, from its body read
-        # to its rows made, scoring included (a part's sampler call is `WorkerResult.sampler_call_s`).
+        # The response's inference_time_s: the whole request's wall time here, from reading its body
+        # to its parts fetched and scored (a part's sampler call is `WorkerResult.sampler_call_s`).
         inference_time_s = time.perf_counter() - start
         rows = response_rows(plan, batch, inference_time_s, peak_memory_mb, fetched.reward_times, fetched.cost())
         if "application/json" in http_request.headers.get("accept", ""):
