@@ -46,7 +46,6 @@ from rollout.plan import RequestLimits, plan_rollout
 from rollout.rows import response_rows
 from rollout.sampler import sample
 from rollout.schema import RolloutRequest
-from rollout.trajectory import RolloutBatch
 
 STEPS = 20
 LIGHT = {"num_inference_steps": STEPS, "rollout_debug_mode": False}
@@ -123,10 +122,10 @@ class Suite:
 
     def worker_results(self, one) -> None:
         body = request(16, **LIGHT)
-        parts = one.generate.remote(body).result().worker_results()
-        stored = stored_bytes(parts) / 16
+        fetched = one.generate.remote(body).result().fetch()
+        stored = stored_bytes(fetched.parts) / 16
         sent = len(msgpack_body(self.session, self.url("one"), body)) / 16
-        handle_tensors = tensor_bytes(RolloutBatch.concat([part.batch for part in parts])) / 16
+        handle_tensors = tensor_bytes(fetched.batch()) / 16
         self.targets.append(
             ("worker result bytes per sample, light request", f"{stored / 1e3:.2f} KB (HTTP body {sent / 1e3:.2f} KB)",
              "what the response uses, +10%")
@@ -196,7 +195,7 @@ class Suite:
 
         def sixteen_requests():
             responses = [default.generate.remote({**LIGHT, "prompt": "3", "seed": i}) for i in range(16)]
-            parts = [part for r in responses for part in r.result().worker_results()]
+            parts = [part for r in responses for part in r.result().fetch().parts]
             calls.append(sorted(part.sampler_batch_size for part in parts))
 
         times = take_turns({"one 16-sample request": one_request, "16 one-sample requests": sixteen_requests}, self.rounds)
@@ -245,8 +244,7 @@ class Suite:
         rows = ["| response | msgpack bytes/sample | JSON bytes/sample |", "|---|---|---|"]
         for label, body in variants.items():
             plan = plan_rollout(RolloutRequest(**body), RequestLimits())
-            work = next(iter(plan.work(plan.num_samples)))
-            batch = sample(pipeline, work.prompts, work.seeds, work.options, work.negative_prompts)
+            batch = sample(pipeline, plan.prompts, plan.seeds, plan.options, plan.negative_prompts)
             answer = response_rows(plan, batch, inference_time_s=0.0)
             rows.append(f"| {label} | {len(to_msgpack(answer)) / 8:.0f} | {len(to_json(answer)) / 8:.0f} |")
         self.section(
@@ -364,7 +362,7 @@ class Suite:
         figures = trees.measure(runs, rows, self.rounds)
 
         def served(branching):
-            parts = one.generate.remote(trees.request_fields(branching)).result().worker_results()
+            parts = one.generate.remote(trees.request_fields(branching)).result().fetch().parts
             return sum(part.transformer_rows for part in parts)  # one call a part: chunks of a whole batch
 
         served_rows = {name: served(branching) for name, branching in trees.TREES.items()}

@@ -271,7 +271,7 @@ def serve_case(case: Case, **option_changes) -> Served:
     pipeline = _configured(case)
     plan = plan_rollout(parse_request(case.body), LIMITS)
     options = dataclasses.replace(resolve_options(pipeline, plan.options), **option_changes)
-    roots = [root for work in plan.work(len(plan.seeds)) for root in work.roots()]
+    roots = plan.roots()
     call = sample_tree(pipeline, roots, options, weight_version="properties")
     return Served(roots, options, call.batch, call.transformer_rows)
 

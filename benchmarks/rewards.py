@@ -56,8 +56,7 @@ def measure(handle, app_name: str, rounds: int) -> tuple[dict[str, list[float]],
     reward_times: list[float] = []
 
     def overlapped() -> None:
-        parts = handle.generate.remote(scored).result().worker_results()
-        reward_times.append(parts[0].reward_time_s)
+        reward_times.append(handle.generate.remote(scored).result().fetch().reward_times.reward_time_s)
 
     def after() -> None:
         batch = handle.generate.remote(plain).result().batch()

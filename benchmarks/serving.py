@@ -17,6 +17,7 @@ from typing import Callable
 import requests
 import torch
 
+from deployments.work import cut_into_work
 from rollout.codec import from_msgpack
 from rollout.plan import RequestLimits, plan_rollout
 from rollout.schema import RolloutRequest
@@ -82,7 +83,7 @@ class InProcessSampler:
         self._process.start()
 
     def run(self, body: dict, batch_size: int) -> None:
-        self._connection.send(list(plan_rollout(RolloutRequest(**body), RequestLimits()).work(batch_size)))
+        self._connection.send(cut_into_work(plan_rollout(RolloutRequest(**body), RequestLimits()), 1, batch_size))
         self._connection.recv()
 
     def close(self) -> None:

@@ -1,4 +1,11 @@
-"""A worker's queue of sampling work: whenever the sampler frees up, it takes everything that waits.
+"""A replica's queue of work: whenever the replica frees up, it takes everything that waits.
+
+One queue type for the worker replicas (sampling work, `SamplingWork`) and the scorer replicas
+(`deployments/scorer.py`): each time the replica is free, it takes all waiting work of the oldest
+work's group (equal options, for a sampler; one group, for a scorer), oldest first, up to its
+limit; a single work larger than the limit is taken alone. Work whose deadline passed while it
+waited fails with `DeadlineExceededError`, unsampled. Only a sampler waits for companions, as
+follows.
 
 Serve's `@serve.batch` forms the next batch on a timer while the current one runs, so concurrent
 one-sample requests (how SGLang clients send) were split over several small sampler calls, each
@@ -18,7 +25,8 @@ Each work says how many other samples the ingress that sent it had in flight the
 A work that says nothing (not sent by an ingress) is waited for as in the first case.
 
 Any grouping is safe: the sampler is batch invariant (fixed-size micro-batches, per-sample
-generators), so a sample's bits do not depend on which requests it was sampled with. With
+generators), so a sample's bits do not depend on which requests it was sampled with, and a
+sample's score does not depend on its companions (the scorers' own contract). With
 several ingress replicas, work from another one may arrive just after the sampler started
 without waiting: that makes a smaller call, never other bits.
 """
@@ -27,27 +35,41 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Generic, Protocol, TypeVar
 
-from rollout.options import SamplingOptions
-from rollout.plan import DeadlineExceededError, SamplingWork
+from deployments.work import DeadlineExceededError
+
+
+class QueuedWork(Protocol):
+    """What the queue needs of a work: its size in samples and its deadline (`time.time()`; None:
+    none). A sampler's waiting for companions also reads its `companions_in_flight`."""
+
+    deadline: float | None
+
+    def __len__(self) -> int: ...
+
+
+W = TypeVar("W", bound=QueuedWork)
 
 
 @dataclass
-class _Waiting:
-    work: SamplingWork
+class _Waiting(Generic[W]):
+    work: W
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-class SamplingQueue:
-    """Runs `run_group` on groups of works with equal options, one group at a time.
+class BatchingQueue(Generic[W]):
+    """Runs `run_group` on groups of works with equal `group_of`, one group at a time.
 
     Args:
-        run_group: samples a group of works in one sampler call; one result (or exception) per work.
-        micro_batch_size: samples per transformer call for works with given options
-            (`rollout.sampler.micro_batch_size`).
-        max_samples: most samples per group (a single larger work is refused before it gets here).
+        run_group: runs a group of works in one call; one result (or exception) per work.
+        max_samples: most samples per group; 0: one work a call.
+        group_of: what works must share to share a call; by default, nothing.
+        micro_batch_size: for a sampler, samples per transformer call of a group
+            (`rollout.sampler.micro_batch_size` of its options): an idle sampler waits for work
+            to fill its micro-batches, as described above; None: never wait.
         wait_s: how long an idle sampler waits for work to fill its micro-batches while the
             ingress said more was in flight.
         lone_wait_s: how long after the last arrival it waits when the ingress said nothing else
@@ -56,13 +78,15 @@ class SamplingQueue:
 
     def __init__(
         self,
-        run_group: Callable[[list[SamplingWork]], Awaitable[list[Any]]],
-        micro_batch_size: Callable[[SamplingOptions], int],
+        run_group: Callable[[list[W]], Awaitable[list[Any]]],
         max_samples: int,
-        wait_s: float,
-        lone_wait_s: float,
+        group_of: Callable[[W], Hashable] = lambda work: None,
+        micro_batch_size: Callable[[Any], int] | None = None,
+        wait_s: float = 0.0,
+        lone_wait_s: float = 0.0,
     ):
         self._run_group = run_group
+        self._group_of = group_of
         self._micro_batch_size = micro_batch_size
         self.max_samples = max_samples
         self.wait_s = wait_s
@@ -72,8 +96,8 @@ class SamplingQueue:
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def submit(self, work: SamplingWork) -> Any:
-        """The work's result, once a sampler call has run it; raises what that call raised for it."""
+    async def submit(self, work: W) -> Any:
+        """The work's result, once a call has run it; raises what that call raised for it."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._serve())
         waiting = _Waiting(work)
@@ -88,9 +112,9 @@ class SamplingQueue:
 
     def _fills_its_micro_batches(self) -> bool:
         """Whether the group the sampler would take now leaves no row of a micro-batch empty."""
-        options = self._waiting[0].work.options
-        samples = sum(len(w.work) for w in self._waiting if w.work.options == options)
-        return samples >= self.max_samples or samples % self._micro_batch_size(options) == 0
+        group = self._group_of(self._waiting[0].work)
+        samples = sum(len(w.work) for w in self._waiting if self._group_of(w.work) == group)
+        return samples >= self.max_samples or samples % self._micro_batch_size(group) == 0
 
     def _more_announced(self) -> bool:
         """Whether a waiting work's ingress had more samples in flight when it sent it than wait here
@@ -122,7 +146,7 @@ class SamplingQueue:
                 self._arrived.clear()
                 await self._arrived.wait()
                 idle = True
-            if idle:  # give work sent together a moment to arrive together
+            if idle and self._micro_batch_size is not None:  # give work sent together a moment to arrive together
                 await self._wait_for_companions(loop)
             group = self._take_group()
             if not group:
@@ -141,7 +165,7 @@ class SamplingQueue:
                     waiting.result.set_result(result)
 
     def _take_group(self) -> list[_Waiting]:
-        """The oldest waiting work and all later work with its options, up to `max_samples`."""
+        """The oldest waiting work and all later work of its group, up to `max_samples`."""
         now = time.time()
         for waiting in self._waiting:
             deadline = waiting.work.deadline
@@ -150,11 +174,11 @@ class SamplingQueue:
         self._waiting = [w for w in self._waiting if not w.result.done()]  # drop cancelled and expired work
         if not self._waiting:
             return []
-        options = self._waiting[0].work.options
+        oldest = self._group_of(self._waiting[0].work)
         group, rest, samples = [], [], 0
         for waiting in self._waiting:
             fits = samples + len(waiting.work) <= self.max_samples or not group
-            if waiting.work.options == options and fits:
+            if self._group_of(waiting.work) == oldest and fits:
                 group.append(waiting)
                 samples += len(waiting.work)
             else:

@@ -4,7 +4,7 @@ fetch with retries, cancel, deadline.
 Plain asyncio over `Workers` (the worker deployment's handle in the application, a fake in the
 tests), so it is tested without Serve, as `deployments/batching.py` is:
 - chunk: a plan's samples are cut into chunks that give every worker replica a share, none larger
-  than a worker's batch;
+  than a worker's batch (`deployments/work.py`'s `cut_into_work`);
 - admit: a request is refused while its samples would queue more than `max_queued_samples`
   (`OverloadedError`), or while the server stops (`StoppingError`);
 - send: each chunk's replica is chosen before the next chunk is sent, so that the router sees that
@@ -13,13 +13,14 @@ tests), so it is tested without Serve, as `deployments/batching.py` is:
   does not wait for work that cannot come;
 - fetch: a part whose worker replica died, or whose reference died with the ingress that owned it,
   is sampled again: sampling is seeded, so its samples are bit-identical. After
-  `worker_retry_attempts` tries, `WorkerLostError`;
+  `worker_retry_attempts` tries, `WorkerLostError` (`deployments/retries.py`);
 - score: a request that asks for rewards has each part scored as soon as it is fetched
   (`deployments/scoring.py`);
-- cancel: interrupted (the client went away, the deadline passed, the server is stopping), the
-  parts still queued on the workers are cancelled;
+- cancel: interrupted over HTTP (the client went away, the deadline passed, the server is
+  stopping), the parts still queued on the workers are cancelled;
 - deadline: past `rollout_timeout_s` (or the app's `request_timeout_s`) the request fails with
-  `DeadlineExceededError`, and the workers drop its work that is still queued.
+  `DeadlineExceededError`, whether it is still being sent or fetched, over HTTP or through the
+  handle alike (`within_deadline`), and the workers drop its work that is still queued.
 
 `RolloutResult` is what the handle's `generate` returns. Its sync methods run the async ones on
 this module's event-loop thread: one implementation, whichever way a trainer calls it.
@@ -28,30 +29,26 @@ this module's event-loop thread: one implementation, whichever way a trainer cal
 from __future__ import annotations
 
 import asyncio
-import logging
-import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import ray
 
 from deployments.config import RolloutAppConfig
 from deployments.ray_private import object_ref
-from deployments.scoring import RequestScoring, Scorers, UnscoredResults
+from deployments.retries import asked_until_not_lost
+from deployments.scoring import RequestScoring, RewardTimes, Scorers
+from deployments.work import DeadlineExceededError, SamplingWork, WorkerResult, cut_into_work
 from rollout.cost import TransformerCost
-from rollout.errors import InvalidRequestError, RolloutError, ScorerError
-from rollout.plan import DeadlineExceededError, RolloutPlan, SamplingWork
+from rollout.errors import RolloutError, ScorerError
+from rollout.plan import RolloutPlan
 from rollout.trajectory import RolloutBatch
-from rollout.tree import FACTORS_FIELD
 
-if TYPE_CHECKING:  # the worker's module loads the model code, which the ingress does not run
-    from deployments.worker import WorkerResult
-
-logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
 
 # What a lost worker replica (or a lost ingress, which owned the references) looks like to a caller.
@@ -112,6 +109,27 @@ class ServeWorkers:
 
 
 @dataclass(frozen=True)
+class FetchedRollout:
+    """A request's parts, fetched (and scored, when it asked for rewards).
+
+    Attributes:
+        parts: one `WorkerResult` per part, in request order.
+        reward_times: the request's scoring times; None when it asked for no rewards.
+    """
+
+    parts: list[WorkerResult]
+    reward_times: RewardTimes | None = None
+
+    def batch(self) -> RolloutBatch:
+        """The parts' samples joined: one schedule, samples in request order."""
+        return RolloutBatch.concat([part.batch for part in self.parts])
+
+    def cost(self) -> TransformerCost:
+        """The request's transformer rows and rows unbranched: the sums of its parts' (`rollout.cost`)."""
+        return TransformerCost.total(part.cost for part in self.parts)
+
+
+@dataclass(frozen=True)
 class RolloutResult:
     """A dispatched request: its parts, still on the workers (or in Ray's object store).
 
@@ -119,6 +137,7 @@ class RolloutResult:
     straight from the workers into the caller's process and joins them into one `RolloutBatch`
     (one schedule, samples in request order, sample i of prompt i // num_outputs_per_prompt).
     A part lost with its worker replica or with the ingress is sampled again by whoever fetches it.
+    Past the request's `deadline` a fetch fails with `DeadlineExceededError`, as over HTTP.
     `transformer_cost()` says what the request cost the transformer and what a tree saved.
     """
 
@@ -129,32 +148,33 @@ class RolloutResult:
     parts: tuple[Any, ...]
     workers: Workers
     max_attempts: int
+    deadline: float
     scoring: RequestScoring | None = None
 
-    async def worker_results_async(self, timeout_s: float | None = None) -> list[WorkerResult]:
-        """Every part's `WorkerResult`, in order, its samples scored when the request asked for
-        rewards (`deployments/scoring.py`); `timeout_s` bounds the whole fetch (`FetchTimeoutError`).
+    async def fetch_async(self, timeout_s: float | None = None) -> FetchedRollout:
+        """Every part, in order, its samples scored when the request asked for rewards
+        (`deployments/scoring.py`); `timeout_s` bounds the whole fetch (`FetchTimeoutError`).
         Fetching again after a failure re-uses the parts sampled: nothing is sampled twice."""
         fetches = [self._fetched(part, work) for part, work in zip(self.parts, self.works)]
         if self.scoring is None:
-            fetches = asyncio.gather(*fetches)
-        else:
-            fetches = self.scoring.scored(fetches, [len(work) for work in self.works])
-        return list(await _within(fetches, timeout_s))
+            return FetchedRollout(await self._in_time(_gathered(fetches), timeout_s))
+        scored = self.scoring.scored(fetches, [len(work) for work in self.works])
+        parts, reward_times = await self._in_time(scored, timeout_s)
+        return FetchedRollout(parts, reward_times)
 
     async def batch_async(self, timeout_s: float | None = None) -> RolloutBatch:
-        return joined_batch(await self.worker_results_async(timeout_s))
+        return (await self.fetch_async(timeout_s)).batch()
 
     async def transformer_cost_async(self, timeout_s: float | None = None) -> TransformerCost:
         """What the request cost the transformer, and would have cost unbranched: its parts' sums
         (`rollout.cost`: each part charged its own rows, padded as if alone in its call). Fetches
         the parts without scoring them (after `batch()`, from this node's object store), within
-        `timeout_s` as `worker_results` does."""
-        fetches = asyncio.gather(*(self._fetched(part, work) for part, work in zip(self.parts, self.works)))
-        return request_cost(await _within(fetches, timeout_s))
+        `timeout_s` as `fetch` does."""
+        fetches = [self._fetched(part, work) for part, work in zip(self.parts, self.works)]
+        return FetchedRollout(await self._in_time(_gathered(fetches), timeout_s)).cost()
 
-    def worker_results(self, timeout_s: float | None = None) -> list[WorkerResult]:
-        return run_on_dispatch_loop(self.worker_results_async(timeout_s))
+    def fetch(self, timeout_s: float | None = None) -> FetchedRollout:
+        return run_on_dispatch_loop(self.fetch_async(timeout_s))
 
     def batch(self, timeout_s: float | None = None) -> RolloutBatch:
         return run_on_dispatch_loop(self.batch_async(timeout_s))
@@ -167,44 +187,88 @@ class RolloutResult:
             self.workers.cancel(part)
 
     async def _fetched(self, part: Any, work: SamplingWork) -> WorkerResult:
-        for attempt in range(1, self.max_attempts + 1):
+        async def attempt(number: int) -> WorkerResult:
+            return await (part if number == 1 else await self.workers.send(work))
+
+        return await asked_until_not_lost(
+            attempt,
+            LOST,
+            self.max_attempts,
+            f"request {self.request_id}",
+            lambda attempts: WorkerLostError(
+                f"the worker replicas sampling this request were lost {attempts} times; send it again"
+            ),
+        )
+
+    async def _in_time(self, fetches: Awaitable[T], timeout_s: float | None) -> T:
+        """`fetches`' result, or `FetchTimeoutError` if the parts take longer than `timeout_s` in
+        all, or `DeadlineExceededError` if the request's deadline passes first."""
+        if timeout_s is not None and timeout_s < self.deadline - time.time():
             try:
-                return await part
-            except LOST as error:
-                logger.warning(
-                    "request %s: a part was lost (%s), attempt %d of %d",
-                    self.request_id, type(error).__name__, attempt, self.max_attempts,
-                )  # fmt: skip
-                if attempt == self.max_attempts:
-                    raise WorkerLostError(
-                        f"the worker replicas sampling this request were lost {attempt} times; send it again"
-                    ) from None
-            part = await self.workers.send(work)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+                return await asyncio.wait_for(fetches, timeout_s)
+            except asyncio.TimeoutError:
+                raise FetchTimeoutError(
+                    f"the request's parts were not all sampled within {timeout_s} s; fetch again to wait for them"
+                ) from None
+        return await within_deadline(fetches, self.deadline)
 
 
-async def _within(fetches: Awaitable[T], timeout_s: float | None) -> T:
-    """`fetches`' result, or `FetchTimeoutError` if the parts take longer than `timeout_s` in all."""
+async def _gathered(fetches: list[Awaitable[T]]) -> list[T]:
+    # Awaited inside a coroutine, so that a cancelled gather's error is retrieved rather than
+    # logged by the garbage collector as never retrieved (asyncio.wait_for leaves it so).
+    return list(await asyncio.gather(*fetches))
+
+
+async def within_deadline(work: Awaitable[T], deadline: float) -> T:
+    """`work`'s result, or `DeadlineExceededError` (`work` cancelled) if `deadline` passes first:
+    how both paths hold a request to its `rollout_timeout_s`, whether it is being sent or fetched."""
     try:
-        return await asyncio.wait_for(fetches, timeout_s)
+        return await asyncio.wait_for(work, max(0.0, deadline - time.time()))
     except asyncio.TimeoutError:
-        raise FetchTimeoutError(
-            f"the request's parts were not all sampled within {timeout_s} s; fetch again to wait for them"
-        ) from None
+        raise DeadlineExceededError("the request's deadline passed (rollout_timeout_s or request_timeout_s)") from None
 
 
-def joined_batch(parts: list[WorkerResult]) -> RolloutBatch:
-    return RolloutBatch.concat([part.batch for part in parts])
+class UnscoredResults:
+    """HTTP requests sampled whose scoring failed, kept `keep_s` seconds so that the same request
+    sent again is scored from the samples it already has rather than sampled again (through the
+    handle, `RolloutResult.batch()` again does the same). Only a request with a seed can be the
+    same request again; `rollout_reward_on_error` and `rollout_timeout_s` may differ on the retry.
+    At most `max_kept` requests are kept, the oldest dropped first: their samples stay in the
+    object store while kept."""
 
+    def __init__(self, keep_s: float, max_kept: int = 16):
+        self.keep_s = keep_s
+        self.max_kept = max_kept
+        self._kept: OrderedDict[str, tuple[float, RolloutResult]] = OrderedDict()
 
-def request_cost(parts: list[WorkerResult]) -> TransformerCost:
-    """A request's transformer rows and rows unbranched: the sums of its parts' (`rollout.cost`)."""
-    return TransformerCost.total(part.cost for part in parts)
+    @staticmethod
+    def _key(plan: RolloutPlan) -> str | None:
+        if plan.rewards is None or plan.request.seed is None:
+            return None
+        return plan.request.model_dump_json(exclude={"rollout_reward_on_error", "rollout_timeout_s"})
 
+    def keep(self, plan: RolloutPlan, result: RolloutResult) -> bool:
+        """Keeps `result` for `plan`'s request sent again; False where it cannot be sent again."""
+        key = self._key(plan)
+        if key is None or self.keep_s <= 0:
+            return False
+        self._kept[key] = (time.monotonic() + self.keep_s, result)
+        self._kept.move_to_end(key)
+        while len(self._kept) > self.max_kept:
+            self._kept.popitem(last=False)
+        return True
 
-def chunk_size(num_samples: int, num_worker_replicas: int, max_batch_size: int) -> int:
-    """Chunks small enough that every replica gets a share, and no larger than a worker batch."""
-    return max(1, min(max_batch_size, math.ceil(num_samples / num_worker_replicas)))
+    def take(self, plan: RolloutPlan, deadline: float) -> RolloutResult | None:
+        """The kept result of `plan`'s request, to be scored as `plan` asks by `deadline`; None if
+        none is kept."""
+        now = time.monotonic()
+        for key in [key for key, (expiry, _) in self._kept.items() if expiry < now]:
+            del self._kept[key]
+        key = self._key(plan)
+        if key not in self._kept:
+            return None
+        _, result = self._kept.pop(key)
+        return replace(result, deadline=deadline, scoring=replace(result.scoring, plan=plan.rewards))
 
 
 class Dispatcher:
@@ -241,17 +305,27 @@ class Dispatcher:
         return time.time() + (plan.request.rollout_timeout_s or self.config.request_timeout_s)
 
     async def dispatch(self, plan: RolloutPlan, deadline: float) -> RolloutResult:
-        """Admits the plan's samples and sends its chunks; interrupted, it cancels what it sent."""
-        per_root = plan.branching.leaves_per_root
-        if per_root > self.config.max_batch_size:  # a root's leaves are sampled in one worker call
-            raise InvalidRequestError(
-                FACTORS_FIELD,
-                f"their product ({per_root}, the leaves of a root, sampled together) must be at most the "
-                f"server's max_batch_size ({self.config.max_batch_size})",
-            )
-        size = chunk_size(plan.num_samples, self.config.num_worker_replicas, self.config.max_batch_size)
-        works = plan.work(size, deadline=deadline)
-        self._admit(plan.num_samples)
+        """Admits the plan's samples and sends its chunks before `deadline`
+        (`DeadlineExceededError`); interrupted, it cancels what it sent."""
+        works = cut_into_work(plan, self.config.num_worker_replicas, self.config.max_batch_size, deadline)
+        parts = await within_deadline(self._admitted_and_sent(works), deadline)
+        return RolloutResult(
+            plan.request_id,
+            plan.seed,
+            plan.num_outputs_per_prompt,
+            tuple(work for work, _ in parts),
+            tuple(part for _, part in parts),
+            self.workers,
+            self.config.worker_retry_attempts,
+            deadline,
+            None if plan.rewards is None else RequestScoring(plan.rewards, plan.num_outputs_per_prompt, self.scorers, self.config.scorers),
+        )
+
+    async def _admitted_and_sent(self, works: list[SamplingWork]) -> list[tuple[SamplingWork, Any]]:
+        """Each work, admitted and stamped with its companions, and its part on a worker replica.
+        Admission and the first stamp run in one step of the event loop: what another request
+        admits meanwhile is counted as in flight only for the chunks sent after it."""
+        self._admit(sum(len(work) for work in works))
         stamped: list[SamplingWork] = []
         parts: list[Any] = []
         try:
@@ -267,27 +341,18 @@ class Dispatcher:
             raise
         finally:
             self._routing_samples -= sum(len(work) for work in works[len(parts) :])
-        return RolloutResult(
-            plan.request_id,
-            plan.seed,
-            plan.num_outputs_per_prompt,
-            tuple(stamped),
-            tuple(parts),
-            self.workers,
-            self.config.worker_retry_attempts,
-            None if plan.rewards is None else RequestScoring(plan.rewards, plan.num_outputs_per_prompt, self.scorers, self.config.scorers),
-        )
+        return list(zip(stamped, parts))
 
-    async def sampled(self, plan: RolloutPlan) -> list[WorkerResult]:
+    async def sampled(self, plan: RolloutPlan) -> FetchedRollout:
         """The plan's parts, sampled and fetched here (the HTTP path), within the plan's deadline and
         the server's shutdown grace; interrupted, the work still queued is cancelled. Parts whose
         scoring failed are kept for the same request sent again (`UnscoredResults`)."""
         deadline = self.deadline(plan)
 
-        async def dispatched_and_fetched() -> list[WorkerResult]:
-            result = self.unscored.take(plan) or await self.dispatch(plan, deadline)
+        async def dispatched_and_fetched() -> FetchedRollout:
+            result = self.unscored.take(plan, deadline) or await self.dispatch(plan, deadline)
             try:
-                return await result.worker_results_async()
+                return await result.fetch_async()
             except ScorerError as error:
                 if not self.unscored.keep(plan, result):
                     raise
@@ -300,7 +365,7 @@ class Dispatcher:
                 result.cancel()
                 raise
 
-        return await self._in_time(dispatched_and_fetched(), deadline)
+        return await self._unless_stopped(dispatched_and_fetched())
 
     def _admit(self, samples: int) -> None:
         """Counts `samples` as queued, or refuses them if the queue would pass its limit (a request
@@ -316,23 +381,19 @@ class Dispatcher:
             )
         self._routing_samples += samples
 
-    async def _in_time(self, work: Coroutine[Any, Any, T], deadline: float) -> T:
-        """`work`'s result, unless its deadline passes first (`DeadlineExceededError`) or the server
-        stops and it does not finish within half the shutdown grace (`StoppingError`, so that the
-        answer comes before Serve kills this replica). Either way, or when the client goes away
-        (Serve then cancels this coroutine), `work` is cancelled."""
+    async def _unless_stopped(self, work: Coroutine[Any, Any, T]) -> T:
+        """`work`'s result, unless the server stops and it does not finish within half the shutdown
+        grace (`StoppingError`, so that the answer comes before Serve kills this replica). Either
+        way, or when the client goes away (Serve then cancels this coroutine), `work` is cancelled."""
         task = asyncio.ensure_future(work)
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
-            await asyncio.wait({task, stopping}, timeout=max(0.0, deadline - time.time()), return_when=asyncio.FIRST_COMPLETED)
-            if stopping.done() and not task.done():
-                grace = min(self.config.graceful_shutdown_timeout_s / 2, max(0.0, deadline - time.time()))
-                await asyncio.wait({task}, timeout=grace)
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await asyncio.wait({task}, timeout=self.config.graceful_shutdown_timeout_s / 2)
             if task.done():
                 return task.result()
-            if stopping.done():
-                raise StoppingError("the server stopped before this request was sampled; send it again once it is back")
-            raise DeadlineExceededError("the request's deadline passed (rollout_timeout_s or request_timeout_s)")
+            raise StoppingError("the server stopped before this request was sampled; send it again once it is back")
         finally:
             task.cancel()
             stopping.cancel()

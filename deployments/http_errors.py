@@ -28,6 +28,7 @@ from deployments.bodies import (
 from deployments.dispatch import ServiceUnavailableError
 from deployments.memory import MemoryReleasedError
 from deployments.weights import WeightVersionError
+from deployments.work import DeadlineExceededError
 from rollout.errors import (
     CodecError,
     InvalidRequestError,
@@ -35,7 +36,6 @@ from rollout.errors import (
     RolloutError,
     ScorerError,
 )
-from rollout.plan import DeadlineExceededError
 
 
 @dataclass(frozen=True)

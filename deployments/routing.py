@@ -35,7 +35,7 @@ from ray.serve.request_router import (
 
 from deployments import load
 from deployments.ray_private import pending_request_by_id
-from rollout.plan import SamplingWork
+from deployments.work import SamplingWork
 
 # A reservation whose request was neither accepted nor cancelled by then (a replica refused it
 # and Serve re-queued it under a new pending request) stops counting.

@@ -13,9 +13,10 @@ trainer's images go from the workers' object store to the scorers without passin
   `timeout_s` fails the request with a `ScorerError` naming it, or, with
   `rollout_reward_on_error: "null"`, leaves its rewards null. The failed request's samples are
   still there to score again: through the handle in its `RolloutResult`, over HTTP in
-  `UnscoredResults` for the same request sent again.
+  `dispatch.UnscoredResults` for the same request sent again.
 - With `rollout_advantages: "group"`, each scorer's rewards are normalised within each group once
   all are in (`rollout.advantages`); a group with a null reward gets null advantages.
+- The request's reward times (`RewardTimes`) are the request's, given once beside its parts.
 """
 
 from __future__ import annotations
@@ -23,27 +24,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import ray
 
+from deployments.retries import asked_until_not_lost
+from deployments.work import WorkerResult
 from rollout.advantages import group_advantages
 from rollout.errors import ScorerError
-from rollout.plan import RewardPlan, RolloutPlan
+from rollout.plan import RewardPlan
 from rollout.scorers.base import ScoringSample, checked_scores
 from rollout.trajectory import RolloutBatch
 
 if TYPE_CHECKING:
     from deployments.config import ScorerConfig
-    from deployments.dispatch import RolloutResult
-    from deployments.worker import WorkerResult
-
-logger = logging.getLogger("ray.serve")
 
 # A scorer call whose replica died (samples travel by value, so no object can be lost with it).
 REPLICA_LOST = ray.exceptions.RayActorError
@@ -94,6 +91,19 @@ def scoring_samples(batch: RolloutBatch, first_index: int, group_size: int) -> l
     ]
 
 
+class RewardTimes(NamedTuple):
+    """How long one request's scoring took (a pair, as `rollout.rows.response_rows` takes it).
+
+    Attributes:
+        reward_time_s: the wall time during which any of its scoring calls ran.
+        reward_wait_s: of that, what came after its last part was fetched: the reward time not
+            hidden behind sampling.
+    """
+
+    reward_time_s: float
+    reward_wait_s: float
+
+
 @dataclass(frozen=True)
 class RequestScoring:
     """What scoring one request takes: what it asks for and where the scorers are.
@@ -110,9 +120,12 @@ class RequestScoring:
     scorers: Scorers
     settings: dict[str, ScorerConfig]
 
-    async def scored(self, fetches: Sequence[Awaitable[WorkerResult]], sizes: Sequence[int]) -> list[WorkerResult]:
+    async def scored(
+        self, fetches: Sequence[Awaitable[WorkerResult]], sizes: Sequence[int]
+    ) -> tuple[list[WorkerResult], RewardTimes]:
         """The parts (`fetches`, of `sizes` samples each, in request order) with their samples'
-        rewards and advantages set, each part scored as soon as it is fetched."""
+        rewards and advantages set, each part scored as soon as it is fetched, and the request's
+        reward times."""
         fetched = [asyncio.ensure_future(fetch) for fetch in fetches]
         fetched_at: list[float] = []
         for fetch in fetched:
@@ -150,7 +163,7 @@ class RequestScoring:
         await _all_or_cancel([*fetched, *(asyncio.ensure_future(task) for task in tasks)])
         sampled = max(fetched_at)
         after_sampling = [(max(start, sampled), end) for start, end in calls if end > sampled]
-        times = {"reward_time_s": _covered(calls), "reward_wait_s": _covered(after_sampling)}
+        times = RewardTimes(_covered(calls), _covered(after_sampling))
         advantages = self._advantages(rewards) if self.plan.group_advantages else None
         results = []
         for part, start in enumerate(starts):
@@ -164,8 +177,8 @@ class RequestScoring:
                 for index, sample in enumerate(result.batch.samples, start=start)
             ]
             batch = RolloutBatch(result.batch.schedule, result.batch.options, result.batch.model, samples)
-            results.append(dataclasses.replace(result, batch=batch, **times))
-        return results
+            results.append(dataclasses.replace(result, batch=batch))
+        return results, times
 
     async def _group_aware(self, name: str) -> bool:
         try:
@@ -177,19 +190,23 @@ class RequestScoring:
         """The scorer's scores of `samples`, asked again while its replica dies; on failure, a
         `ScorerError`, or nulls when the request said so. Each call's (start, end) goes to `calls`."""
         settings = self.settings[name]
+
+        async def attempt(_: int) -> list[float]:
+            try:
+                scores = await asyncio.wait_for(self.scorers.score(name, samples), settings.timeout_s)
+            except asyncio.TimeoutError:
+                raise ScorerError(name, f"did not answer {len(samples)} samples within its timeout_s ({settings.timeout_s} s)") from None
+            return checked_scores(name, scores, len(samples))
+
         start = time.perf_counter()
         try:
-            for attempt in range(1, settings.retry_attempts + 1):
-                try:
-                    scores = await asyncio.wait_for(self.scorers.score(name, samples), settings.timeout_s)
-                    return checked_scores(name, scores, len(samples))
-                except REPLICA_LOST as error:
-                    logger.warning("scorer %r: its replica was lost (%s), attempt %d of %d", name, type(error).__name__, attempt, settings.retry_attempts)
-                    if attempt == settings.retry_attempts:
-                        raise ScorerError(name, f"its replicas were lost {attempt} times") from None
-                except asyncio.TimeoutError:
-                    raise ScorerError(name, f"did not answer {len(samples)} samples within its timeout_s ({settings.timeout_s} s)") from None
-            raise AssertionError("unreachable: the last attempt returns or raises")
+            return await asked_until_not_lost(
+                attempt,
+                REPLICA_LOST,
+                settings.retry_attempts,
+                f"scorer {name!r}",
+                lambda attempts: ScorerError(name, f"its replicas were lost {attempts} times"),
+            )
         except ScorerError:
             if self.plan.nulls_on_error:
                 return [None] * len(samples)
@@ -205,48 +222,6 @@ class RequestScoring:
                 group = values[first : first + self.group_size]
                 advantages[name] += [None] * len(group) if None in group else group_advantages(group, len(group))
         return advantages
-
-
-class UnscoredResults:
-    """HTTP requests sampled whose scoring failed, kept `keep_s` seconds so that the same request
-    sent again is scored from the samples it already has rather than sampled again (through the
-    handle, `RolloutResult.batch()` again does the same). Only a request with a seed can be the
-    same request again; `rollout_reward_on_error` and `rollout_timeout_s` may differ on the retry.
-    At most `max_kept` requests are kept, the oldest dropped first: their samples stay in the
-    object store while kept."""
-
-    def __init__(self, keep_s: float, max_kept: int = 16):
-        self.keep_s = keep_s
-        self.max_kept = max_kept
-        self._kept: OrderedDict[str, tuple[float, RolloutResult]] = OrderedDict()
-
-    @staticmethod
-    def _key(plan: RolloutPlan) -> str | None:
-        if plan.rewards is None or plan.request.seed is None:
-            return None
-        return plan.request.model_dump_json(exclude={"rollout_reward_on_error", "rollout_timeout_s"})
-
-    def keep(self, plan: RolloutPlan, result: RolloutResult) -> bool:
-        """Keeps `result` for `plan`'s request sent again; False where it cannot be sent again."""
-        key = self._key(plan)
-        if key is None or self.keep_s <= 0:
-            return False
-        self._kept[key] = (time.monotonic() + self.keep_s, result)
-        self._kept.move_to_end(key)
-        while len(self._kept) > self.max_kept:
-            self._kept.popitem(last=False)
-        return True
-
-    def take(self, plan: RolloutPlan) -> RolloutResult | None:
-        """The kept result of `plan`'s request, to be scored as `plan` asks; None if none is kept."""
-        now = time.monotonic()
-        for key in [key for key, (expiry, _) in self._kept.items() if expiry < now]:
-            del self._kept[key]
-        key = self._key(plan)
-        if key not in self._kept:
-            return None
-        _, result = self._kept.pop(key)
-        return dataclasses.replace(result, scoring=dataclasses.replace(result.scoring, plan=plan.rewards))
 
 
 def _covered(intervals: list[tuple[float, float]]) -> float:

@@ -7,66 +7,30 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import ray
 import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.batching import SamplingQueue
+from deployments.batching import BatchingQueue
 from deployments.broadcast import Follower
 from deployments.config import RolloutAppConfig
 from deployments.memory import MemoryOccupation
 from deployments.weights import ServedWeights
+from deployments.work import SamplingWork, WorkerResult
 from rollout.calibration import require_batch_invariance
-from rollout.cost import TransformerCost, transformer_cost
-from rollout.errors import InvalidRequestError, NonFiniteOutputError, RolloutError
+from rollout.cost import transformer_cost
+from rollout.errors import NonFiniteOutputError, RolloutError
 from rollout.kernels import BatchInvariance
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
-from rollout.plan import SamplingWork
-from rollout.sampler import SamplerCall, micro_batch_size, resolve_options, sample_tree
-from rollout.trajectory import RolloutBatch
+from rollout.plan import checked_against_model
+from rollout.sampler import SamplerCall, micro_batch_size, sample_tree
 from rollout.weights import weights_layout
 
 logger = logging.getLogger("ray.serve")
 BROKEN_AFTER_FAILED_CALLS = 3
-
-
-@dataclass(frozen=True)
-class WorkerResult:
-    """A worker's answer to one `SamplingWork`.
-
-    Attributes:
-        batch: the work's samples, all referring to one schedule object.
-        sampler_batch_size: samples (a tree's leaves) in the sampler call that produced them (shows batching).
-        transformer_rows: rows the transformer computed in that call, other requests' work in it and
-            its padding included: once per node and step for trees (`rollout.tree`), and for
-            unbranched samples the padding is what exceeds `sampler_batch_size` times the steps.
-        inference_time_s: wall time of that sampler call.
-        peak_memory_mb: peak accelerator memory allocated during that call; None on the CPU.
-        replica: the worker replica that sampled them.
-        node_id: the Ray node it runs on.
-        reward_time_s: for a request scored in the rollout, the wall time during which any of its
-            scoring calls ran (`deployments/scoring.py`); the same for every part of the request.
-        reward_wait_s: of that, what came after its last part was fetched: the reward time not
-            hidden behind sampling.
-        cost: the work's own transformer rows, padded as if it had the call to itself, and its rows
-            unbranched (`rollout.cost`): what a request's figures sum, whatever its call held. None
-            only in a result no worker made (a test's).
-    """
-
-    batch: RolloutBatch
-    sampler_batch_size: int
-    transformer_rows: int
-    inference_time_s: float
-    peak_memory_mb: float | None
-    replica: str
-    node_id: str
-    reward_time_s: float | None = None
-    reward_wait_s: float | None = None
-    cost: TransformerCost | None = None
 
 
 def _sample_measured(pipeline: RolloutPipeline, *args, **kwargs) -> tuple[SamplerCall, float | None]:
@@ -107,12 +71,13 @@ class RolloutWorker:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
         self._failed_calls_in_a_row = 0
-        self._queue = SamplingQueue(
+        self._queue = BatchingQueue(
             self._sample_on_thread,
-            lambda options: micro_batch_size(self.pipeline, options),
             config.max_batch_size,
-            config.batch_wait_timeout_s,
-            config.batch_lone_wait_s,
+            group_of=lambda work: work.options,
+            micro_batch_size=lambda options: micro_batch_size(self.pipeline, options),
+            wait_s=config.batch_wait_timeout_s,
+            lone_wait_s=config.batch_lone_wait_s,
         )
         self.weights = ServedWeights(self.pipeline, config.weight_version)
         self.memory = MemoryOccupation(self.pipeline)
@@ -169,20 +134,15 @@ class RolloutWorker:
         }
 
     async def generate(self, work: SamplingWork) -> WorkerResult:
-        """Samples `work`, batched with whatever compatible work arrives meanwhile."""
-        # Checked here, before batching: one bad request must not fail the others in its batch.
-        if len(work) > self.config.max_batch_size:
-            limit = self.config.max_batch_size
-            raise InvalidRequestError("num_outputs_per_prompt", f"a worker takes at most {limit} samples at once")
-        self.pipeline.check_prompts(work.prompts, work.negative_prompts)
-        # The model's defaults, filled in once: the queue groups and the sampler samples by them.
-        work = dataclasses.replace(work, options=resolve_options(self.pipeline, work.options))
-        options = work.options
-        # A step count the model's scheduler cannot make is the request's fault: refused here, not
-        # in a sampler call, where a failure counts toward replacing the replica.
-        self.pipeline.schedule(options.num_inference_steps, options.height, options.width, options.num_frames)
-        work.check_response_size(self.pipeline.latent_shape(options.height, options.width, options.num_frames), self.config.limits)
-        return await self._queue.submit(work)
+        """Samples `work` (cut by the ingress to at most `max_batch_size` samples, `cut_into_work`),
+        batched with whatever compatible work arrives meanwhile."""
+        # Checked here, before batching: a bad request fails alone, and not in a sampler call,
+        # where a failure counts toward replacing the replica. The options come back with the
+        # model's defaults: the queue groups and the sampler samples by them.
+        options = checked_against_model(
+            self.pipeline, work.options, work.prompts, work.negative_prompts, work.samples_in_response, self.config.limits
+        )
+        return await self._queue.submit(dataclasses.replace(work, options=options))
 
     async def _sample_on_thread(self, works: list[SamplingWork]) -> list[WorkerResult | Exception]:
         return await self._on_sampling_thread(self._sample_group, works)

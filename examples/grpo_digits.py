@@ -41,7 +41,6 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from deployments.client import get_or_deploy_app, push_weights
-from deployments.dispatch import joined_batch
 from rollout.models.digits import digit_prompt
 from rollout.models.registry import load_pipeline
 from rollout.replay import transition_log_probs
@@ -147,8 +146,8 @@ def train(handle, config: GRPOConfig, log=print) -> list[dict]:
         }
         if config.branch:  # one root a prompt, forked into its group at the window's first step
             request.update(rollout_branch_steps=[window[0]], rollout_branch_factors=[config.group_size])
-        parts = handle.generate.remote(request).result().worker_results()
-        batch = joined_batch(parts)
+        fetched = handle.generate.remote(request).result().fetch()
+        batch = fetched.batch()
         rollout_s = time.perf_counter() - started
 
         rewards = torch.tensor([s.rewards["ink"] for s in batch.samples])
@@ -173,8 +172,8 @@ def train(handle, config: GRPOConfig, log=print) -> list[dict]:
             "rollout_weight_version": batch.samples[0].weight_version,
             "rollout_s": round(rollout_s, 2),
             # Scoring that ran while parts were still being sampled cost the loop nothing.
-            "reward_s": round(parts[0].reward_time_s, 3),
-            "reward_hidden_s": round(parts[0].reward_time_s - parts[0].reward_wait_s, 3),
+            "reward_s": round(fetched.reward_times.reward_time_s, 3),
+            "reward_hidden_s": round(fetched.reward_times.reward_time_s - fetched.reward_times.reward_wait_s, 3),
             "train_s": round(train_s, 2),
             "sync_s": round(sync_s, 2),
         }

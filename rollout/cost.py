@@ -10,9 +10,10 @@ computed in the same call where the family batches both, is not a row of its own
   same rule: T x padded(leaves). Taken from the leaves and the steps alone, never by walking the
   tree, so that a client checks what a tree saved against a figure the tree did not produce.
 
-Attribution. A request is sampled in parts (`SamplingWork`), each in one worker call, and a worker
-call may hold other requests' parts too (`deployments/batching.py`). Each part is charged its own
-rows, padded as if it had the call to itself, and a request's figures are its parts' sums:
+Attribution. A request is sampled in parts (`deployments/work.py`'s `SamplingWork`), each in one
+worker call, and a worker call may hold other requests' parts too (`deployments/batching.py`).
+Each part is charged its own rows, padded as if it had the call to itself, and a request's figures
+are its parts' sums:
 - a part alone in its call is charged exactly what the transformer computed
   (`SamplerCall.transformer_rows`; tests/test_cost.py holds the two equal);
 - parts that share a call share its padding: the call computes at most the sum of their figures

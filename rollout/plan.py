@@ -1,25 +1,31 @@
-"""A request's plan: its values checked against the server's limits, fanned out into samples, cut
-into the work a worker replica samples.
+"""A request's plan: its values checked against the server's limits, fanned out into samples.
 
-`plan_rollout` is the one place a request's values are checked (the schema, `rollout.schema`,
-checks only their types), and where its per-sample data is derived once: sample i is prompt
-i // num_outputs_per_prompt, with that prompt's negative prompt and the seed `seed + i`.
-Everything here raises `InvalidRequestError` naming the field (HTTP 400).
+This module is the one home of the checks of a request's values (the schema, `rollout.schema`,
+checks only their types): `plan_rollout` makes every check the served model has no say in, and
+derives the per-sample data once: sample i is prompt i // num_outputs_per_prompt, with that
+prompt's negative prompt and the seed `seed + i`; `checked_against_model` makes the rest, where
+the model is (a worker replica), and fills in the model's defaults. Everything here raises
+`InvalidRequestError` naming the field (HTTP 400).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.errors import InvalidRequestError, RolloutError, short_repr
+from rollout.errors import InvalidRequestError, short_repr
 from rollout.options import MAX_SEED, SamplingOptions, check_seed
+from rollout.sampler import resolve_options
 from rollout.schema import RolloutRequest
 from rollout.transitions import LogProbForm, TransitionKind
 from rollout.tree import FACTORS_FIELD, STEPS_FIELD, Branching, TreeRoot, roots_of
+
+if TYPE_CHECKING:
+    from rollout.models.base import RolloutPipeline
 
 
 # SGLang's `rollout_video_dtype` values: None ships the frames as sampled (fp32).
@@ -64,60 +70,6 @@ class RequestLimits(BaseModel):
                 f"got {self.default_inference_steps}"
             )
         return self
-
-
-class DeadlineExceededError(RolloutError):
-    """A request's deadline (`SamplingWork.deadline`: its `rollout_timeout_s`, or the server's
-    default) passed before it was sampled."""
-
-
-@dataclass(frozen=True)
-class SamplingWork:
-    """One sampler call's worth of one request's samples: what a worker replica receives.
-
-    Attributes:
-        prompts, negative_prompts, seeds: one per sample (a leaf, in a tree rollout), in request order.
-        options: the request's options (a worker fills in its model's defaults once, on arrival).
-        branching: the request's tree (`rollout.tree`); its samples are whole roots' leaves.
-        weight_version: the weights the request requires; None: whichever are served.
-        deadline: `time.time()` past which the work is not worth sampling.
-        request_samples: the samples of the whole request this work is part of (what its response
-            holds); None: the work's own.
-        companions_in_flight: the other samples the ingress that sent this work had in flight when
-            it sent it (admitted and not answered: on any worker replica, or still being routed;
-            its own request's other chunks included). 0: no other work of that ingress can be on
-            its way to the worker. None: unknown (the work was not sent by an ingress).
-    """
-
-    prompts: tuple[str, ...]
-    negative_prompts: tuple[str, ...]
-    seeds: tuple[int, ...]
-    options: SamplingOptions
-    weight_version: str | None = None
-    deadline: float | None = None
-    companions_in_flight: int | None = None
-    branching: Branching = Branching()
-    request_samples: int | None = None
-
-    def __len__(self) -> int:
-        return len(self.seeds)
-
-    def check_response_size(self, latent_shape: tuple[int, ...], limits: "RequestLimits") -> None:
-        """Raises `InvalidRequestError` if the whole request's response would hold more than
-        `limits.max_response_bytes` of tensors (`options` with the model's defaults filled in)."""
-        per_sample = self.options.kept_bytes_per_sample(latent_shape)
-        total = per_sample * (len(self) if self.request_samples is None else self.request_samples)
-        if total > limits.max_response_bytes:
-            raise InvalidRequestError(
-                "rollout_return_step_indices",
-                f"the response would hold {total / 2**20:.0f} MiB of tensors ({per_sample / 2**20:.1f} MiB a sample), "
-                f"past limits.max_response_bytes ({limits.max_response_bytes / 2**20:.0f} MiB): keep fewer latents "
-                "(rollout_return_step_indices, rollout_sde_step_indices), set rollout_debug_mode: false, or ask for "
-                "fewer samples",
-            )
-
-    def roots(self) -> list[TreeRoot]:
-        return roots_of(self.prompts, self.negative_prompts, self.seeds, self.branching)
 
 
 @dataclass(frozen=True)
@@ -169,30 +121,20 @@ class RolloutPlan:
     def num_samples(self) -> int:
         return len(self.seeds)
 
-    def work(self, chunk_size: int, deadline: float | None = None) -> list[SamplingWork]:
-        """The request's samples in order, cut into pieces of at most `chunk_size`, of whole roots
-        (a root's leaves are sampled together: at least one root a piece)."""
-        per_root = self.branching.leaves_per_root
-        chunk_size = max(per_root, chunk_size - chunk_size % per_root)
-        return [
-            SamplingWork(
-                self.prompts[start : start + chunk_size],
-                self.negative_prompts[start : start + chunk_size],
-                self.seeds[start : start + chunk_size],
-                self.options,
-                self.request.weight_version,
-                deadline,
-                branching=self.branching,
-                request_samples=self.num_samples,
-            )
-            for start in range(0, self.num_samples, chunk_size)
-        ]
+    def roots(self) -> list[TreeRoot]:
+        """The request's samples as the roots they grow from, in request order (`rollout.tree`)."""
+        return roots_of(self.prompts, self.negative_prompts, self.seeds, self.branching)
 
 
 def plan_rollout(
-    request: RolloutRequest, limits: RequestLimits, request_id: str | None = None, scorers: Collection[str] = ()
+    request: RolloutRequest,
+    limits: RequestLimits,
+    request_id: str | None = None,
+    scorers: Collection[str] = (),
+    max_batch_size: int | None = None,
 ) -> RolloutPlan:
-    """Checks a request's values against the limits, the sampling rules and the app's `scorers`;
+    """Checks a request's values against the limits, the sampling rules, the app's `scorers` and
+    its workers' `max_batch_size` (the most samples of one sampler call; None: no such bound);
     raises `InvalidRequestError`."""
     prompts = request.prompts()
     if not prompts:
@@ -228,9 +170,43 @@ def plan_rollout(
         prompts=tuple(p for p in prompts for _ in range(per_prompt)),
         negative_prompts=tuple(n for n in negative_prompts for _ in range(per_prompt)),
         seeds=tuple(range(seed, seed + num_samples)),
-        branching=_branching(request, options),
+        branching=_branching(request, options, max_batch_size),
         rewards=_rewards(request, scorers),
     )
+
+
+def checked_against_model(
+    model: RolloutPipeline,
+    options: SamplingOptions,
+    prompts: Sequence[str],
+    negative_prompts: Sequence[str],
+    samples_in_response: int,
+    limits: RequestLimits,
+) -> SamplingOptions:
+    """The checks of a request's values that need the served model, which the ingress does not
+    load: the worker makes them once, when a request's work arrives, before it is batched with
+    other requests' (one bad request must not fail the others of its sampler call). Returns
+    `options` with the model's defaults filled in, the one place they are (`resolve_options`).
+
+    Raises `InvalidRequestError` naming the field: a prompt the model cannot condition on, a size
+    or frame count it cannot make (`RolloutPipeline.latent_shape`), a step count its scheduler
+    cannot make, or a response of more than `limits.max_response_bytes` of tensors over the
+    `samples_in_response` samples of the whole request."""
+    model.check_prompts(prompts, negative_prompts)
+    options = resolve_options(model, options)
+    model.schedule(options.num_inference_steps, options.height, options.width, options.num_frames)
+    latent_shape = model.latent_shape(options.height, options.width, options.num_frames)
+    per_sample = options.kept_bytes_per_sample(latent_shape)
+    total = per_sample * samples_in_response
+    if total > limits.max_response_bytes:
+        raise InvalidRequestError(
+            "rollout_return_step_indices",
+            f"the response would hold {total / 2**20:.0f} MiB of tensors ({per_sample / 2**20:.1f} MiB a sample), "
+            f"past limits.max_response_bytes ({limits.max_response_bytes / 2**20:.0f} MiB): keep fewer latents "
+            "(rollout_return_step_indices, rollout_sde_step_indices), set rollout_debug_mode: false, or ask for "
+            "fewer samples",
+        )
+    return options
 
 
 def _rewards(request: RolloutRequest, scorers: Collection[str]) -> RewardPlan | None:
@@ -257,8 +233,9 @@ def _rewards(request: RolloutRequest, scorers: Collection[str]) -> RewardPlan | 
     return RewardPlan(tuple(names), request.rollout_advantages == "group", request.rollout_reward_on_error == "null")
 
 
-def _branching(request: RolloutRequest, options: SamplingOptions) -> Branching:
-    """The request's tree, checked against its options and its outputs per prompt."""
+def _branching(request: RolloutRequest, options: SamplingOptions, max_batch_size: int | None) -> Branching:
+    """The request's tree, checked against its options, its outputs per prompt and the workers'
+    batch (a root's leaves are sampled in one call)."""
     steps, factors = request.rollout_branch_steps, request.rollout_branch_factors
     if steps is None and factors is None:
         return Branching()
@@ -274,6 +251,12 @@ def _branching(request: RolloutRequest, options: SamplingOptions) -> Branching:
         raise InvalidRequestError(
             "num_outputs_per_prompt",
             f"must be a multiple of the product of {FACTORS_FIELD} ({per_root}), got {request.outputs_per_prompt}",
+        )
+    if max_batch_size is not None and per_root > max_batch_size:
+        raise InvalidRequestError(
+            FACTORS_FIELD,
+            f"their product ({per_root}, the leaves of a root, sampled together) must be at most the "
+            f"server's max_batch_size ({max_batch_size})",
         )
     return branching
 

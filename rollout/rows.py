@@ -33,7 +33,8 @@ def response_rows(
     reward_times: tuple[float, float] | None = None,
     cost: TransformerCost | None = None,
 ) -> list[dict[str, Any]]:
-    """One map per sample (a tree's leaf), in request order: SGLang's keys, then the extensions
+    """One map per sample (a tree's leaf), in request order: SGLang's keys, `inference_time_s`
+    the whole request's wall time (the same in every row), then the extensions
     `prompt_index`, `sample_seed`, `weight_version`, `branch_path` (the leaf's child index at each
     branch step; [] unbranched), `branch_seeds` (the seeds of the generators its noise came from,
     root first: `rollout.tree`), `transformer_rows` and `transformer_rows_unbranched` (`cost`: the

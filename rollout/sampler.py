@@ -32,9 +32,10 @@ from rollout.errors import InvalidRequestError
 from rollout.kernels import zero_padded
 from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions, check_seed
+from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import RolloutBatch, SampleTrajectory, StepDebug
 from rollout.tree import Branching, TreeRoot, roots_of
-from rollout.transitions import take_step
+from rollout.transitions import Transition, take_step
 
 
 def resolve_options(pipeline: RolloutPipeline, options: SamplingOptions) -> SamplingOptions:
@@ -228,6 +229,59 @@ class _Epoch:
     debug: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # velocities, means, noises: (rows, steps, ...)
 
 
+@dataclass
+class _TreeRun:
+    """What one `sample_tree` call prepares once and its stages share.
+
+    Attributes:
+        options: the call's options, with the model's defaults filled in.
+        root_paths: each root's leaf paths, in the order its leaves are returned.
+        conditioning: every root's conditioning, on the CPU (a micro-batch goes to the device at a time).
+        sigmas: the schedule's sigmas, on the device.
+        kept_steps: the steps whose latents are kept (`SamplingOptions.kept_latent_steps`).
+        branch_steps: every root's branch steps, in order; an epoch ends at each, and at the last step.
+        noise_stds: `(steps,)` each step's noise std, shared by every row; None unless debugging.
+        epochs: the epochs so far, first to last.
+    """
+
+    roots: Sequence[TreeRoot]
+    options: SamplingOptions
+    device: torch.device
+    latent_shape: tuple[int, ...]
+    root_paths: list[tuple[tuple[int, ...], ...]]
+    conditioning: BucketedConditioning
+    schedule: ScheduleSnapshot
+    sigmas: torch.Tensor
+    kept_steps: tuple[int, ...]
+    branch_steps: list[int]
+    noise_stds: torch.Tensor | None
+    epochs: list[_Epoch]
+
+    def start_epoch(self, first_step: int, nodes: list[_Node], parent: torch.Tensor | None) -> _Epoch:
+        """A new epoch from `first_step` to the next branch step (or the last step), with a buffer
+        row per node for what it keeps; it becomes the last of `epochs`."""
+        # x_0 is the first epoch's alone: an epoch that starts at a branch at step 0 also has
+        # first_step 0, and keeps only the latents after its transitions, as every later one does.
+        end = [*self.branch_steps, self.options.num_inference_steps][len(self.epochs)]
+        first_epoch = not self.epochs
+        latent_steps = [step for step in self.kept_steps if first_step < step <= end or (step == 0 and first_epoch)]
+        rows, steps = len(nodes), end - first_step
+        debug = None
+        if self.options.debug:
+            debug = tuple(_host_buffer((rows, steps, *self.latent_shape), self.device) for _ in range(3))
+        epoch = _Epoch(
+            first_step,
+            nodes,
+            parent,
+            latent_steps,
+            _host_buffer((rows, len(latent_steps), *self.latent_shape), self.device),
+            _host_buffer((rows, steps), self.device),
+            debug,
+        )
+        self.epochs.append(epoch)
+        return epoch
+
+
 @torch.no_grad()
 def sample_tree(
     pipeline: RolloutPipeline,
@@ -239,11 +293,25 @@ def sample_tree(
 
     The transformer runs on the batch of live nodes at each step, roots of every branching together:
     once per node and step, in the pipeline's micro-batches. Unbranched roots are plain samples.
+    In stages, as a diffusers pipeline's `__call__`:
+    1. prepare: check the roots, fill in the model's defaults, encode the prompts, make the schedule;
+    2. denoise, epoch by epoch: from each root's initial noise, every step's transition, the live
+       nodes branching at each branch step;
+    3. decode, and assemble each leaf's trajectory from its rows of every epoch.
 
     Returns:
         The leaves, root after root, each root's in the order of its `paths` (leaf number order by
         default), and the transformer rows computed.
     """
+    run = _prepare(pipeline, roots, options)
+    x_t, transformer_rows = _denoise(pipeline, run)
+    samples = _decoded_leaves(pipeline, run, x_t, weight_version)
+    batch = RolloutBatch(schedule=run.schedule, options=run.options, model=pipeline.name, samples=samples)
+    return SamplerCall(batch, transformer_rows=transformer_rows)
+
+
+def _prepare(pipeline: RolloutPipeline, roots: Sequence[TreeRoot], options: SamplingOptions) -> _TreeRun:
+    """Stage 1: the roots checked, the options completed, the prompts encoded, the schedule made."""
     if len(roots) == 0:
         raise InvalidRequestError("prompt", "needs at least one prompt")
     options = resolve_options(pipeline, options)
@@ -258,67 +326,60 @@ def sample_tree(
     for paths in root_paths:
         if len(set(paths)) != len(paths):
             raise InvalidRequestError("branch_path", "a root grows each leaf once")
-
     prompts, negatives = [root.prompt for root in roots], [root.negative_prompt for root in roots]
     conditioning = pipeline.encode_prompts(prompts, negatives, options).map(lambda t: t.cpu())
     schedule = pipeline.schedule(num_steps, options.height, options.width, options.num_frames)
-    sigmas = schedule.sigmas.to(device)
-    kept_steps = options.kept_latent_steps()
-    branch_steps = sorted({step for root in roots for step in root.branching.steps})
-    epoch_ends = [*branch_steps, num_steps]
-    noise_stds = _host_buffer((num_steps,), device) if options.debug else None  # shared by every row
+    return _TreeRun(
+        roots=roots,
+        options=options,
+        device=device,
+        latent_shape=latent_shape,
+        root_paths=root_paths,
+        conditioning=conditioning,
+        schedule=schedule,
+        sigmas=schedule.sigmas.to(device),
+        kept_steps=options.kept_latent_steps(),
+        branch_steps=sorted({step for root in roots for step in root.branching.steps}),
+        noise_stds=_host_buffer((num_steps,), device) if options.debug else None,
+        epochs=[],
+    )
 
-    def new_epoch(first_step: int, nodes: list[_Node], parent: torch.Tensor | None) -> _Epoch:
-        # x_0 is the first epoch's alone: an epoch that starts at a branch at step 0 also has
-        # first_step 0, and keeps only the latents after its transitions, as every later one does.
-        end = epoch_ends[len(epochs)]
-        latent_steps = [step for step in kept_steps if first_step < step <= end or (step == 0 and not epochs)]
-        rows, steps = len(nodes), end - first_step
-        debug = None
-        if options.debug:
-            debug = tuple(_host_buffer((rows, steps, *latent_shape), device) for _ in range(3))
-        return _Epoch(
-            first_step,
-            nodes,
-            parent,
-            latent_steps,
-            _host_buffer((rows, len(latent_steps), *latent_shape), device),
-            _host_buffer((rows, steps), device),
-            debug,
-        )
 
-    # Everything kept is written once, in place, into one buffer per tensor and epoch; with no
-    # branch step there is one epoch, and the samples are views of its buffers.
-    epochs: list[_Epoch] = []
+def _denoise(pipeline: RolloutPipeline, run: _TreeRun) -> tuple[torch.Tensor, int]:
+    """Stage 2: every root from its initial noise to its last step, its nodes branching at the
+    branch steps; returns the final latents of the last epoch's rows and the transformer rows run.
+
+    Everything kept is written once, in place, into one buffer per tensor and epoch; with no
+    branch step there is one epoch, and the samples are views of its buffers."""
+    options, device = run.options, run.device
     nodes = [
-        _Node(r, (), root_paths[r], torch.Generator(device="cpu").manual_seed(root.seed)) for r, root in enumerate(roots)
+        _Node(r, (), run.root_paths[r], torch.Generator(device="cpu").manual_seed(root.seed))
+        for r, root in enumerate(run.roots)
     ]
-    epoch = new_epoch(0, nodes, None)
-    epochs.append(epoch)
-    padded_conditioning = pad_buckets(pipeline, conditioning, options)
+    epoch = run.start_epoch(0, nodes, None)
+    padded_conditioning = pad_buckets(pipeline, run.conditioning, options)
     transformer_rows = 0
-    x_t = _draw_noise([node.generator for node in nodes], latent_shape, device)
+    x_t = _draw_noise([node.generator for node in nodes], run.latent_shape, device)
     _keep(epoch, 0, x_t)
-    for step in range(num_steps):
-        timestep, expert = schedule.model_timesteps[step], schedule.expert_at(step)
+    for step in range(options.num_inference_steps):
+        timestep, expert = run.schedule.model_timesteps[step], run.schedule.expert_at(step)
         v = predict_velocity(pipeline, x_t, timestep, padded_conditioning, options, expert)
         transformer_rows += sum(len(bucket.conditioning) for bucket in padded_conditioning.buckets)
-        if step in branch_steps:  # the velocity was computed once per node; its children share it
-            nodes, parent = _branch(roots, epoch.nodes, step)
-            epoch = new_epoch(step, nodes, parent)
-            epochs.append(epoch)
+        if step in run.branch_steps:  # the velocity was computed once per node; its children share it
+            nodes, parent = _branch(run.roots, epoch.nodes, step)
+            epoch = run.start_epoch(step, nodes, parent)
             x_t, v = x_t[parent.to(x_t.device)], v[parent.to(v.device)]
-            padded_conditioning = pad_buckets(pipeline, conditioning.select([node.root for node in nodes]), options)
+            padded_conditioning = pad_buckets(pipeline, run.conditioning.select([node.root for node in nodes]), options)
         kind = options.transition_at(step)
-        noise = _draw_noise([node.generator for node in nodes], latent_shape, device) if kind.draws_noise else None
+        noise = _draw_noise([node.generator for node in nodes], run.latent_shape, device) if kind.draws_noise else None
         transition = take_step(
             kind,
             x_t,
             v,
-            sigmas[step],
-            sigmas[step + 1],
+            run.sigmas[step],
+            run.sigmas[step + 1],
             eta=options.noise_level,
-            sigma_after_one=sigmas[1],
+            sigma_after_one=run.sigmas[1],
             noise=noise,
             log_prob_form=options.log_prob_form,
         )
@@ -327,51 +388,67 @@ def sample_tree(
         slot = step - epoch.first_step
         epoch.log_probs[:, slot].copy_(transition.log_prob, non_blocking=True)
         if options.debug:
-            velocities, means, noises = epoch.debug
-            velocities[:, slot].copy_(v, non_blocking=True)
-            means[:, slot].copy_(transition.mean, non_blocking=True)
-            noise_stds[step].copy_(transition.noise_std, non_blocking=True)
-            if noise is None:
-                noises[:, slot].zero_()
-            else:
-                noises[:, slot].copy_(noise, non_blocking=True)
+            _keep_debug(run, epoch, step, v, transition, noise)
+    return x_t, transformer_rows
 
+
+def _keep_debug(
+    run: _TreeRun, epoch: _Epoch, step: int, v: torch.Tensor, transition: Transition, noise: torch.Tensor | None
+) -> None:
+    """`rollout_debug_mode`: the step's velocity, transition mean and noise into the epoch's buffers."""
+    slot = step - epoch.first_step
+    velocities, means, noises = epoch.debug
+    velocities[:, slot].copy_(v, non_blocking=True)
+    means[:, slot].copy_(transition.mean, non_blocking=True)
+    run.noise_stds[step].copy_(transition.noise_std, non_blocking=True)
+    if noise is None:
+        noises[:, slot].zero_()
+    else:
+        noises[:, slot].copy_(noise, non_blocking=True)
+
+
+def _decoded_leaves(
+    pipeline: RolloutPipeline, run: _TreeRun, x_t: torch.Tensor, weight_version: str | None
+) -> list[SampleTrajectory]:
+    """Stage 3: the last epoch's rows decoded, and each leaf's trajectory joined from its rows of
+    every epoch; root after root, and in path order within each root."""
     images = pipeline.decode(x_t).cpu()
     final_latents = x_t.cpu()
-    if device.type == "cuda":  # the non-blocking copies above have landed only once the stream is done
-        torch.cuda.current_stream(device).synchronize()
-    latent_step_indices = torch.tensor(kept_steps, dtype=torch.int64)
-    rows_of_leaf = _rows_in_each_epoch(epochs)
-
-    def leaf(row: int) -> SampleTrajectory:
-        node = epoch.nodes[row]
-        root = roots[node.root]
-        debug = None
-        if options.debug:
-            velocities, means, noises = (_along(epochs, rows_of_leaf[row], lambda e, i=i: e.debug[i]) for i in range(3))
-            debug = StepDebug(velocities, means, noise_stds, noises)
-        return SampleTrajectory(
-            schedule=schedule,
-            prompt=root.prompt,
-            negative_prompt=root.negative_prompt,
-            seed=root.seed + root.branching.offset(node.path),
-            image=images[row],
-            final_latents=final_latents[row],
-            log_probs=_along(epochs, rows_of_leaf[row], lambda e: e.log_probs),
-            latents=_along(epochs, rows_of_leaf[row], lambda e: e.latents),
-            latent_step_indices=latent_step_indices,
-            weight_version=weight_version,
-            debug=debug,
-            denoising_env=conditioning.row(node.root) if options.return_denoising_env else None,
-            branching=root.branching,
-            branch_path=node.path,
-        )
-
-    # The last epoch's rows are the leaves, root after root and in path order within each root.
-    row_of = {(node.root, node.path): row for row, node in enumerate(epoch.nodes)}
-    samples = [leaf(row_of[(r, path)]) for r, paths in enumerate(root_paths) for path in paths]
-    batch = RolloutBatch(schedule=schedule, options=options, model=pipeline.name, samples=samples)
-    return SamplerCall(batch, transformer_rows=transformer_rows)
+    if run.device.type == "cuda":  # the non-blocking copies of stage 2 have landed only once the stream is done
+        torch.cuda.current_stream(run.device).synchronize()
+    latent_step_indices = torch.tensor(run.kept_steps, dtype=torch.int64)
+    rows_of_leaf = _rows_in_each_epoch(run.epochs)
+    last = run.epochs[-1]
+    row_of = {(node.root, node.path): row for row, node in enumerate(last.nodes)}
+    samples = []
+    for r, paths in enumerate(run.root_paths):
+        root = run.roots[r]
+        for path in paths:
+            row = row_of[(r, path)]
+            rows = rows_of_leaf[row]
+            debug = None
+            if run.options.debug:
+                velocities, means, noises = (_along(run.epochs, rows, lambda e, i=i: e.debug[i]) for i in range(3))
+                debug = StepDebug(velocities, means, run.noise_stds, noises)
+            samples.append(
+                SampleTrajectory(
+                    schedule=run.schedule,
+                    prompt=root.prompt,
+                    negative_prompt=root.negative_prompt,
+                    seed=root.seed + root.branching.offset(path),
+                    image=images[row],
+                    final_latents=final_latents[row],
+                    log_probs=_along(run.epochs, rows, lambda e: e.log_probs),
+                    latents=_along(run.epochs, rows, lambda e: e.latents),
+                    latent_step_indices=latent_step_indices,
+                    weight_version=weight_version,
+                    debug=debug,
+                    denoising_env=run.conditioning.row(r) if run.options.return_denoising_env else None,
+                    branching=root.branching,
+                    branch_path=path,
+                )
+            )
+    return samples
 
 
 def _keep(epoch: _Epoch, step: int, x: torch.Tensor) -> None:

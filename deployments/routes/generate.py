@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from deployments.bodies import MSGPACK
-from deployments.dispatch import RolloutResult, joined_batch, request_cost
+from deployments.dispatch import RolloutResult
 from deployments.http_errors import (
     error_response,
     internal_error_response,
@@ -33,10 +33,17 @@ class GenerateRoutes:
         ignored = unknown_fields(request) if validation == "sglang" and isinstance(request, dict) else []
         if ignored:
             logger.warning("ignoring unknown request fields %s", [clip(name) for name in ignored[:10]])
-        return plan_rollout(parse_request(request, validation), self.config.limits, scorers=self.config.scorers.keys())
+        return plan_rollout(
+            parse_request(request, validation),
+            self.config.limits,
+            scorers=self.config.scorers.keys(),
+            max_batch_size=self.config.max_batch_size,
+        )
 
     async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
-        """Handle API: validates and dispatches; raises `InvalidRequestError` naming a bad field."""
+        """Handle API: validates and dispatches; raises `InvalidRequestError` naming a bad field, and
+        `DeadlineExceededError` if the request's deadline passes before it is sent (its fetch is
+        held to the same deadline: `RolloutResult`)."""
         plan = self._plan(request)
         return await self.dispatcher.dispatch(plan, self.dispatcher.deadline(plan))
 
@@ -54,8 +61,8 @@ class GenerateRoutes:
         try:
             body = await self.bodies.read(http_request)
             plan = self._plan(body)
-            parts = await self.dispatcher.sampled(plan)
-            batch = joined_batch(parts)
+            fetched = await self.dispatcher.sampled(plan)
+            batch = fetched.batch()
         except Exception as error:
             known = library_error(error)
             if known is not None:
@@ -63,9 +70,11 @@ class GenerateRoutes:
             request_id = plan.request_id if plan is not None else "(not planned)"
             logger.exception("rollout request %s failed", request_id)
             return internal_error_response(request_id)
-        peak_memory_mb = max((p.peak_memory_mb for p in parts if p.peak_memory_mb is not None), default=None)
-        reward_times = None if parts[0].reward_time_s is None else (parts[0].reward_time_s, parts[0].reward_wait_s)
-        rows = response_rows(plan, batch, time.perf_counter() - start, peak_memory_mb, reward_times, request_cost(parts))
+        peak_memory_mb = max((p.peak_memory_mb for p in fetched.parts if p.peak_memory_mb is not None), default=None)
+        # The response's inference_time_s: the whole request's wall time here, from reading its body
+        # to its parts fetched and scored (a part's sampler call is `WorkerResult.sampler_call_s`).
+        inference_time_s = time.perf_counter() - start
+        rows = response_rows(plan, batch, inference_time_s, peak_memory_mb, fetched.reward_times, fetched.cost())
         if "application/json" in http_request.headers.get("accept", ""):
             return Response(to_json(rows), media_type="application/json")
         return Response(to_msgpack(rows), media_type=MSGPACK)

@@ -1,12 +1,12 @@
-"""The worker's sampling queue, without Ray: which works share a sampler call."""
+"""The replicas' queue (`deployments/batching.py`), without Ray: which works share a sampler call."""
 
 import asyncio
 
 import pytest
 
-from deployments.batching import SamplingQueue
+from deployments.batching import BatchingQueue
 from rollout.options import SamplingOptions
-from rollout.plan import SamplingWork
+from deployments.work import SamplingWork
 
 FOUR_STEPS, SIX_STEPS = SamplingOptions(num_inference_steps=4), SamplingOptions(num_inference_steps=6)
 
@@ -35,6 +35,11 @@ class Sampler:
         return [sum(len(w) for w in works) for works in self.calls]
 
 
+def sampling_queue(sampler: Sampler, max_samples: int, wait_s: float, lone_wait_s: float) -> BatchingQueue:
+    """A worker's queue, with micro-batches of 4 samples."""
+    return BatchingQueue(sampler, max_samples, lambda w: w.options, lambda options: 4, wait_s, lone_wait_s)
+
+
 def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, timeout=30))
 
@@ -42,7 +47,7 @@ def run(coroutine):
 def test_requests_sent_together_share_one_call():
     async def scenario():
         sampler = Sampler()
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=0.05, lone_wait_s=0.0)
+        queue = sampling_queue(sampler, max_samples=32, wait_s=0.05, lone_wait_s=0.0)
         works = [work() for _ in range(16)]
         results = await asyncio.gather(*(queue.submit(w) for w in works))
         assert results == [f"result of {id(w)}" for w in works]  # each request gets its own
@@ -54,7 +59,7 @@ def test_requests_sent_together_share_one_call():
 def test_a_busy_sampler_takes_everything_that_waits_when_it_frees_up():
     async def scenario():
         sampler = Sampler(seconds=0.2)
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=0.0, lone_wait_s=0.0)
+        queue = sampling_queue(sampler, max_samples=32, wait_s=0.0, lone_wait_s=0.0)
         first = asyncio.create_task(queue.submit(work()))
         await asyncio.sleep(0.05)  # the first call is running
         later = []
@@ -70,7 +75,7 @@ def test_a_busy_sampler_takes_everything_that_waits_when_it_frees_up():
 def test_calls_keep_to_the_limit_and_to_equal_options_oldest_first():
     async def scenario():
         sampler = Sampler()
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.05, lone_wait_s=0.0)
+        queue = sampling_queue(sampler, max_samples=8, wait_s=0.05, lone_wait_s=0.0)
         works = [work(3), work(1, SIX_STEPS), work(3), work(3), work(2, SIX_STEPS)]
         await asyncio.gather(*(queue.submit(w) for w in works))
         positions = {id(w): i for i, w in enumerate(works)}
@@ -82,7 +87,7 @@ def test_calls_keep_to_the_limit_and_to_equal_options_oldest_first():
 def test_a_failed_call_fails_its_requests_only_and_the_queue_goes_on():
     async def scenario():
         sampler = Sampler(fail_steps=6)
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.05, lone_wait_s=0.0)
+        queue = sampling_queue(sampler, max_samples=8, wait_s=0.05, lone_wait_s=0.0)
         results = await asyncio.gather(
             queue.submit(work(1, SIX_STEPS)), queue.submit(work(1)), return_exceptions=True
         )
@@ -95,7 +100,7 @@ def test_a_failed_call_fails_its_requests_only_and_the_queue_goes_on():
 def test_a_cancelled_request_is_not_sampled():
     async def scenario():
         sampler = Sampler(seconds=0.1)
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=8, wait_s=0.0, lone_wait_s=0.0)
+        queue = sampling_queue(sampler, max_samples=8, wait_s=0.0, lone_wait_s=0.0)
         running = asyncio.create_task(queue.submit(work(1)))
         await asyncio.sleep(0.03)
         cancelled = asyncio.create_task(queue.submit(work(2)))
@@ -114,7 +119,7 @@ def test_an_idle_sampler_waits_to_fill_its_micro_batch_not_longer():
     async def scenario():
         sampler = Sampler()
         # A wait far longer than `run`'s 30 s: the test ends only if a full micro-batch starts at once.
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=600, lone_wait_s=0.0)
+        queue = sampling_queue(sampler, max_samples=32, wait_s=600, lone_wait_s=0.0)
         tasks = [asyncio.create_task(queue.submit(work())) for _ in range(3)]
         await asyncio.sleep(0.05)
         assert sampler.calls == []  # 3 of a micro-batch of 4: still waiting
@@ -129,7 +134,7 @@ def test_an_idle_sampler_waits_to_fill_its_micro_batch_not_longer():
 def test_an_idle_sampler_waits_only_briefly_when_every_work_its_ingress_had_in_flight_is_here():
     async def scenario():
         sampler = Sampler()
-        queue = SamplingQueue(sampler, lambda options: 4, max_samples=32, wait_s=600, lone_wait_s=0.2)
+        queue = sampling_queue(sampler, max_samples=32, wait_s=600, lone_wait_s=0.2)
         loop = asyncio.get_running_loop()
         start = loop.time()
         await queue.submit(work(companions=0))  # 1 of a micro-batch of 4, and nothing else was in flight
@@ -151,3 +156,16 @@ def test_an_idle_sampler_waits_only_briefly_when_every_work_its_ingress_had_in_f
         return sampler.sizes()
 
     assert run(scenario()) == [1, 2, 4]
+
+
+def test_a_scorers_queue_takes_everything_that_waits_at_once_or_one_group_a_call():
+    async def scenario(max_samples):
+        scorer = Sampler(seconds=0.05)  # the queue runs whatever calls it is given
+        queue = BatchingQueue(scorer, max_samples)  # no groups, no waiting: a scorer replica's
+        first = asyncio.create_task(queue.submit(work(3)))
+        await asyncio.sleep(0.01)  # a lone part is scored at once
+        await asyncio.gather(first, *(queue.submit(work(3)) for _ in range(3)))
+        return scorer.sizes()
+
+    assert run(scenario(max_samples=8)) == [3, 6, 3]  # per-sample: what waits, up to the limit
+    assert run(scenario(max_samples=0)) == [3, 3, 3, 3]  # group-aware: one group a call

@@ -15,16 +15,17 @@ from deployments.dispatch import (
     OverloadedError,
     StoppingError,
     WorkerLostError,
-    chunk_size,
 )
+from deployments.work import DeadlineExceededError, cut_into_work
 from rollout.cost import TransformerCost
 from rollout.errors import InvalidRequestError
-from rollout.plan import DeadlineExceededError, RequestLimits, plan_rollout
+from rollout.plan import RequestLimits, plan_rollout
 from rollout.schema import parse_request
 
 
-def plan(samples: int = 4, **fields):
-    return plan_rollout(parse_request({"prompt": "7", "num_outputs_per_prompt": samples, "seed": 0, **fields}), RequestLimits())
+def plan(samples: int = 4, max_batch_size: int | None = None, **fields):
+    request = parse_request({"prompt": "7", "num_outputs_per_prompt": samples, "seed": 0, **fields})
+    return plan_rollout(request, RequestLimits(), max_batch_size=max_batch_size)
 
 
 class Part:
@@ -64,11 +65,14 @@ def dispatcher(workers, queued=0, **config) -> Dispatcher:
 
 
 def test_a_request_is_cut_so_every_replica_gets_a_share_and_no_chunk_passes_a_batch():
-    assert chunk_size(16, 2, 32) == 8 and chunk_size(3, 2, 32) == 2 and chunk_size(100, 2, 16) == 16
+    def chunk_sizes(samples, num_worker_replicas, max_batch_size):
+        return [len(work) for work in cut_into_work(plan(samples), num_worker_replicas, max_batch_size)]
+
+    assert chunk_sizes(16, 2, 32) == [8, 8] and chunk_sizes(3, 2, 32) == [2, 1] and chunk_sizes(40, 2, 16) == [16, 16, 8]
     workers = Workers()
     result = asyncio.run(dispatcher(workers).dispatch(plan(3), deadline=1e12))
     assert [work.seeds for work in workers.sent] == [(0, 1), (2,)]
-    assert [r.work for r in asyncio.run(result.worker_results_async())] == workers.sent
+    assert [r.work for r in asyncio.run(result.fetch_async()).parts] == workers.sent
 
 
 def test_a_tree_request_is_cut_into_whole_roots_and_a_root_larger_than_a_batch_is_refused():
@@ -78,8 +82,8 @@ def test_a_tree_request_is_cut_into_whole_roots_and_a_root_larger_than_a_batch_i
     # Chunks of 6 would cut a root of 4 leaves: chunks of 4, each one root with its branching.
     assert [work.seeds for work in workers.sent] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
     assert {work.branching.factors for work in workers.sent} == {(4,)}
-    with pytest.raises(InvalidRequestError) as caught:
-        asyncio.run(dispatcher(Workers(), max_batch_size=3).dispatch(plan(4, **tree), deadline=1e12))
+    with pytest.raises(InvalidRequestError) as caught:  # refused by the plan, before anything is sent
+        plan(4, max_batch_size=3, **tree)
     assert caught.value.field == "rollout_branch_factors" and "at most the server's max_batch_size (3)" in caught.value.reason
 
 
@@ -118,13 +122,13 @@ def test_a_lost_part_is_sampled_again_with_the_same_work_until_the_attempts_run_
     lost = ray.exceptions.RayActorError()
     once = Workers(lambda work, attempt: Part(work, error=lost if attempt == 1 else None))
     result = asyncio.run(dispatcher(once, num_worker_replicas=1).dispatch(plan(2), 1e12))
-    [fetched] = result.worker_results()  # the sync API runs the same code
+    [fetched] = result.fetch().parts  # the sync API runs the same code
     assert fetched.work is once.sent[0] and once.sent == [once.sent[0]] * 2
 
     always = Workers(lambda work, attempt: Part(work, error=lost))
     result = asyncio.run(dispatcher(always, num_worker_replicas=1, worker_retry_attempts=3).dispatch(plan(2), 1e12))
     with pytest.raises(WorkerLostError, match="lost 3 times"):
-        result.worker_results()
+        result.fetch()
     assert len(always.sent) == 3
 
 
@@ -145,7 +149,7 @@ def test_one_timeout_bounds_the_whole_fetch(api):
     workers = Workers(lambda work, attempt: Part(work, delay_s=next(delays)))
     result = asyncio.run(dispatcher(workers, num_worker_replicas=3).dispatch(plan(3), 1e12))
     with pytest.raises(FetchTimeoutError, match="within 1.0 s"):
-        result.worker_results(timeout_s=1.0) if api == "sync" else asyncio.run(result.worker_results_async(1.0))
+        result.fetch(timeout_s=1.0) if api == "sync" else asyncio.run(result.fetch_async(1.0))
 
 
 def test_past_its_deadline_a_request_fails_and_its_queued_parts_are_cancelled():
@@ -168,3 +172,14 @@ def test_a_stopping_server_answers_what_is_not_done_within_half_the_grace():
     with pytest.raises(StoppingError, match="stopped before this request was sampled"):
         asyncio.run(scenario())
     assert len(workers.cancelled) == 2
+
+
+def test_through_the_handle_a_fetch_past_the_deadline_fails_as_over_http():
+    workers = Workers(lambda work, attempt: Part(work, delay_s=30))
+    ingress = dispatcher(workers)
+    late = plan(4, rollout_timeout_s=0.2)
+    result = asyncio.run(ingress.dispatch(late, ingress.deadline(late)))
+    with pytest.raises(DeadlineExceededError, match="deadline passed"):
+        result.fetch(timeout_s=10)
+    with pytest.raises(DeadlineExceededError):  # sent after its deadline: refused at the ingress
+        asyncio.run(ingress.dispatch(late, deadline=0.0))

@@ -17,7 +17,7 @@ from ray.util.state import list_actors
 
 from deployments.dispatch import OverloadedError, RolloutResult, WorkerLostError
 from rollout.codec import from_msgpack
-from rollout.plan import DeadlineExceededError
+from deployments.work import DeadlineExceededError
 from tests.deployments.apps import deploy, deploy_ingress
 from tests.deployments.replicas import pids, request_body
 from tests.deployments.waiting import wait_until
@@ -182,7 +182,7 @@ def test_a_part_lost_on_every_try_is_a_retryable_error(ray_cluster):
             resent.append(work)
             return doomed.ping.remote()
 
-    result = RolloutResult("r", 0, 1, ("work",), (doomed.ping.remote(),), DeadWorkers(), max_attempts=3)
+    result = RolloutResult("r", 0, 1, ("work",), (doomed.ping.remote(),), DeadWorkers(), max_attempts=3, deadline=time.time() + 60)
     with pytest.raises(WorkerLostError, match="lost 3 times") as caught:
-        result.worker_results()
+        result.fetch()
     assert resent == ["work", "work"] and caught.value.retry_after_s == 1

@@ -41,7 +41,7 @@ def test_typed_result_with_one_schedule(handle):
 
 def test_requests_fan_out_over_both_replicas(handle):
     result = handle.generate.remote({"prompt": ["4", "5"], "num_outputs_per_prompt": 8, "num_inference_steps": 2}).result()
-    parts = result.worker_results()
+    parts = result.fetch().parts
     assert len(parts) == 2
     assert len({part.replica for part in parts}) == 2
     assert [len(part.batch.samples) for part in parts] == [8, 8]
@@ -80,7 +80,7 @@ def test_concurrent_requests_are_batched(handle, embedded_pipeline):
     # and the router rightly sends it more, so the split would depend on the runner's speed.
     with held_samplers(APP_NAME):
         results = [response.result() for response in [handle.generate.remote(b) for b in bodies]]
-    parts = [r.worker_results()[0] for r in results]
+    parts = [r.fetch().parts[0] for r in results]
     sizes = [part.sampler_batch_size for part in parts]
     assert max(sizes) > 1, sizes
     # Each call's transformer rows: 6 steps of its samples, padded to the micro-batch.

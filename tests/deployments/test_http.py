@@ -143,7 +143,7 @@ def test_a_sample_is_the_same_alone_or_batched(http, base_url, handle):
     # was batched (the first of a burst may have started alone).
     seeds = [4242 + 100 * i for i in range(12)]
     responses = [handle.generate.remote({**body, "seed": seed}) for seed in seeds]
-    parts = {seed: response.result().worker_results()[0] for seed, response in zip(seeds, responses)}
+    parts = {seed: response.result().fetch().parts[0] for seed, response in zip(seeds, responses)}
     batched_seeds = [seed for seed, part in parts.items() if part.sampler_batch_size > 1]
     assert batched_seeds, [part.sampler_batch_size for part in parts.values()]
     batched = parts[batched_seeds[-1]].batch.samples[0]

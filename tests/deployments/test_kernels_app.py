@@ -19,7 +19,7 @@ def test_served_samples_are_the_librarys_alone_and_nothing_is_padded(kernels_app
     lone = kernels_app.handle.generate.remote({**body, "prompt": "seven", "seed": 41}).result()
     group = kernels_app.handle.generate.remote(body).result()
     for result in (lone, group):
-        (part,) = result.worker_results()
+        (part,) = result.fetch().parts
         # One row a step for each sample of the sampler call (with padding: whole calls of 8 guided samples).
         assert part.transformer_rows == 5 * part.sampler_batch_size
     library = load_pipeline(micro_batching=MicroBatching(16, invariance=BatchInvariance.KERNELS))

@@ -13,7 +13,7 @@ from unittest.mock import AsyncMock, Mock
 import pytest
 from ray import serve
 
-from deployments.batching import SamplingQueue
+from deployments.batching import BatchingQueue
 from deployments.broadcast import Follower
 from deployments.cli import run_app
 from deployments.config import RolloutAppConfig
@@ -99,7 +99,7 @@ def test_make_serve_passes_model_to_the_cli():
 )
 def test_a_worker_whose_init_failed_stops_without_an_error_of_its_own(started):
     worker = object.__new__(RolloutWorker.func_or_class)  # as Serve leaves it when __init__ raised
-    stoppables = {"_queue": Mock(spec=SamplingQueue), "follower": AsyncMock(spec=Follower)}
+    stoppables = {"_queue": Mock(spec=BatchingQueue), "follower": AsyncMock(spec=Follower)}
     for name in started:
         setattr(worker, name, stoppables[name])
     try:

@@ -29,7 +29,7 @@ def library():
 
 def library_samples(library, body):
     plan = plan_rollout(parse_request(body), LIMITS)
-    roots = [root for work in plan.work(len(plan.seeds)) for root in work.roots()]
+    roots = plan.roots()
     return sample_tree(library, roots, resolve_options(library, plan.options)).batch
 
 

@@ -13,7 +13,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID
 
 from deployments.routing import FewestSamplesRouter
 from rollout.options import SamplingOptions
-from rollout.plan import SamplingWork
+from deployments.work import SamplingWork
 
 WORKER = DeploymentID(name="RolloutWorker", app_name="rollout")
 

@@ -14,7 +14,7 @@ import torch
 from deployments.config import RolloutAppConfig
 from deployments.dispatch import Dispatcher
 from deployments.scoring import scoring_samples
-from deployments.worker import WorkerResult
+from deployments.work import WorkerResult
 from rollout.advantages import group_advantages
 from rollout.errors import InvalidRequestError, ScorerError
 from rollout.models.registry import load_pipeline
@@ -115,10 +115,11 @@ def test_rewards_are_the_scorers_own_on_the_returned_images_and_advantages_flow_
 def test_a_part_is_scored_while_the_next_is_still_sampled(pipeline):
     log = []
     result, _ = rollout(pipeline, plan(rollout_reward_models=["ink"]), Scorers(log), delays=(0.0, 0.6), log=log)
-    result.batch()
+    times = result.fetch().reward_times  # the request's, once
     events = [(kind, what) for kind, what, _ in sorted(log, key=lambda e: e[2])]
     # The first part (samples 0-2) is scored before the second (seed 3 on) is fetched.
     assert events.index(("scored", "ink")) < events.index(("fetched", 3))
+    assert 0 < times.reward_wait_s < times.reward_time_s  # the first part's scoring hid behind sampling
 
 
 def test_a_group_aware_scorer_gets_each_prompts_whole_group_across_parts(pipeline):
@@ -187,7 +188,7 @@ def test_an_http_request_whose_scoring_failed_is_scored_again_from_its_kept_samp
     with pytest.raises(ScorerError, match="the samples are kept 60 s"):
         asyncio.run(ingress.sampled(plan(**asked)))
     # The same request again, nulls now acceptable: scored from the kept samples, none sampled.
-    (part,) = asyncio.run(ingress.sampled(plan(**asked, rollout_reward_on_error="null")))
+    (part,) = asyncio.run(ingress.sampled(plan(**asked, rollout_reward_on_error="null"))).parts
     assert len(workers.sent) == 1 and [s.rewards["broken"] for s in part.batch.samples] == [0.25] * 3
     # Kept once: sent a third time, or with another seed, the request is sampled.
     asyncio.run(ingress.sampled(plan(**asked)))

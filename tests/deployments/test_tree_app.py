@@ -6,7 +6,6 @@ fields a 400 naming it."""
 import pytest
 import torch
 
-from deployments.dispatch import request_cost
 from rollout.cost import TransformerCost
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
@@ -80,7 +79,7 @@ def test_a_tree_shares_a_sampler_call_with_an_unbranched_request_and_keeps_the_l
         # Other options: sampled alone, first, while the two requests arrive.
         kernels_app.handle.generate.remote({"prompt": "1", "num_inference_steps": 2}).result()
         results = [kernels_app.handle.generate.remote(body).result() for body in (tree, unbranched)]
-    parts = [part for result in results for part in result.worker_results()]
+    parts = [part for result in results for part in result.fetch().parts]
     assert [part.sampler_batch_size for part in parts] == [5, 5]
     # Nothing padded under the kernels: a root runs steps 0 .. 2, 2 children 3 .. 4, 4 leaves 5;
     # the unbranched sample all 6.
@@ -121,7 +120,7 @@ def test_a_trees_cost_is_its_nodes_rows_padded_and_below_its_unbranched_cost(htt
     expected = expected_cost(result, branching, samples_per_call)
     # Per part: 2 roots (padded to 8) for 3 steps, 4 nodes (8) for 1, 8 (8) for 1, 16 leaves for 1.
     assert expected == TransformerCost(2 * (3 * 8 + 8 + 8 + 16), 2 * 6 * 16)
-    assert result.transformer_cost() == request_cost(result.worker_results()) == expected
+    assert result.transformer_cost() == result.fetch().cost() == expected
     for accept in ENCODINGS:
         rows = post(http, base_url, body, accept)
         assert len(rows) == 32

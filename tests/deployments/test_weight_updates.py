@@ -84,7 +84,7 @@ def served(app):
 
 def rollout(app, body):
     result = app.handle.generate.remote({"rollout_return_dit_trajectory": True, **body}).result()
-    return result.worker_results(), result.batch()
+    return result.fetch().parts, result.batch()
 
 
 def assert_replays_exactly(pipeline, batch):

@@ -40,7 +40,7 @@ def main() -> None:
 
         result = handle.generate.remote({"prompt": ["1", "2"], "num_outputs_per_prompt": 4, "num_inference_steps": 3})
         result = result.result()
-        parts = result.worker_results()
+        parts = result.fetch().parts
         batch = result.batch()
         print(
             json.dumps(
