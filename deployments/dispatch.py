@@ -18,9 +18,11 @@ tests), so it is tested without Serve, as `deployments/batching.py` is:
   (`deployments/scoring.py`);
 - cancel: interrupted over HTTP (the client went away, the deadline passed, the server is
   stopping), the parts still queued on the workers are cancelled;
-- deadline: past `rollout_timeout_s` (or the app's `request_timeout_s`) the request fails with
-  `DeadlineExceededError`, whether it is still being sent or fetched, over HTTP or through the
-  handle alike (`within_deadline`), and the workers drop its work that is still queued.
+- deadline: past `rollout_timeout_s` (or the app's `request_timeout_s`) nothing of the request
+  is sampled any more, over HTTP and through the handle alike: a request still being sent fails
+  with `DeadlineExceededError` (`within_deadline`), and the workers refuse its work still queued
+  so. Over HTTP the ingress also answers by then; through the handle, parts sampled in time are
+  the trainer's whenever it fetches them (`timeout_s` bounds its wait).
 
 `RolloutResult` is what the handle's `generate` returns. Its sync methods run the async ones on
 this module's event-loop thread: one implementation, whichever way a trainer calls it.
@@ -136,8 +138,9 @@ class RolloutResult:
     The ingress never unpacks a worker's tensors on the handle's path: `batch()` fetches the parts
     straight from the workers into the caller's process and joins them into one `RolloutBatch`
     (one schedule, samples in request order, sample i of prompt i // num_outputs_per_prompt).
-    A part lost with its worker replica or with the ingress is sampled again by whoever fetches it.
-    Past the request's `deadline` a fetch fails with `DeadlineExceededError`, as over HTTP.
+    A part lost with its worker replica or with the ingress is sampled again by whoever fetches it,
+    unless the request's `deadline` has passed (the worker refuses it: `DeadlineExceededError`).
+    Parts sampled in time are fetched whenever the caller asks: sampled work is never thrown away.
     `transformer_cost()` says what the request cost the transformer and what a tree saved.
     """
 
@@ -148,7 +151,6 @@ class RolloutResult:
     parts: tuple[Any, ...]
     workers: Workers
     max_attempts: int
-    deadline: float
     scoring: RequestScoring | None = None
 
     async def fetch_async(self, timeout_s: float | None = None) -> FetchedRollout:
@@ -201,16 +203,13 @@ class RolloutResult:
         )
 
     async def _in_time(self, fetches: Awaitable[T], timeout_s: float | None) -> T:
-        """`fetches`' result, or `FetchTimeoutError` if the parts take longer than `timeout_s` in
-        all, or `DeadlineExceededError` if the request's deadline passes first."""
-        if timeout_s is not None and timeout_s < self.deadline - time.time():
-            try:
-                return await asyncio.wait_for(fetches, timeout_s)
-            except asyncio.TimeoutError:
-                raise FetchTimeoutError(
-                    f"the request's parts were not all sampled within {timeout_s} s; fetch again to wait for them"
-                ) from None
-        return await within_deadline(fetches, self.deadline)
+        """`fetches`' result, or `FetchTimeoutError` if the parts take longer than `timeout_s` in all."""
+        try:
+            return await asyncio.wait_for(fetches, timeout_s)
+        except asyncio.TimeoutError:
+            raise FetchTimeoutError(
+                f"the request's parts were not all sampled within {timeout_s} s; fetch again to wait for them"
+            ) from None
 
 
 async def _gathered(fetches: list[Awaitable[T]]) -> list[T]:
@@ -258,9 +257,8 @@ class UnscoredResults:
             self._kept.popitem(last=False)
         return True
 
-    def take(self, plan: RolloutPlan, deadline: float) -> RolloutResult | None:
-        """The kept result of `plan`'s request, to be scored as `plan` asks by `deadline`; None if
-        none is kept."""
+    def take(self, plan: RolloutPlan) -> RolloutResult | None:
+        """The kept result of `plan`'s request, to be scored as `plan` asks; None if none is kept."""
         now = time.monotonic()
         for key in [key for key, (expiry, _) in self._kept.items() if expiry < now]:
             del self._kept[key]
@@ -268,7 +266,7 @@ class UnscoredResults:
         if key not in self._kept:
             return None
         _, result = self._kept.pop(key)
-        return replace(result, deadline=deadline, scoring=replace(result.scoring, plan=plan.rewards))
+        return replace(result, scoring=replace(result.scoring, plan=plan.rewards))
 
 
 class Dispatcher:
@@ -317,7 +315,6 @@ class Dispatcher:
             tuple(part for _, part in parts),
             self.workers,
             self.config.worker_retry_attempts,
-            deadline,
             None if plan.rewards is None else RequestScoring(plan.rewards, plan.num_outputs_per_prompt, self.scorers, self.config.scorers),
         )
 
@@ -350,9 +347,9 @@ class Dispatcher:
         deadline = self.deadline(plan)
 
         async def dispatched_and_fetched() -> FetchedRollout:
-            result = self.unscored.take(plan, deadline) or await self.dispatch(plan, deadline)
+            result = self.unscored.take(plan) or await self.dispatch(plan, deadline)
             try:
-                return await result.fetch_async()
+                return await within_deadline(result.fetch_async(), deadline)
             except ScorerError as error:
                 if not self.unscored.keep(plan, result):
                     raise

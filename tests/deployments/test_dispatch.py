@@ -3,6 +3,7 @@ or Serve: chunks, admission, retries of lost parts, one timeout for the whole fe
 deadlines and stopping, through the async and the sync API alike."""
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -174,12 +175,20 @@ def test_a_stopping_server_answers_what_is_not_done_within_half_the_grace():
     assert len(workers.cancelled) == 2
 
 
-def test_through_the_handle_a_fetch_past_the_deadline_fails_as_over_http():
-    workers = Workers(lambda work, attempt: Part(work, delay_s=30))
-    ingress = dispatcher(workers)
-    late = plan(4, rollout_timeout_s=0.2)
-    result = asyncio.run(ingress.dispatch(late, ingress.deadline(late)))
+def test_through_the_handle_the_deadline_stops_sampling_and_loses_nothing_sampled_in_time():
+    # A worker refuses work still queued past its deadline, as deployments/batching.py's queue does.
+    def part(work, attempt):
+        late = work.deadline < time.time() + 0.3
+        return Part(work, delay_s=0.3, error=DeadlineExceededError("the request's deadline passed") if late else None)
+
+    ingress = dispatcher(Workers(part))
+    result = asyncio.run(ingress.dispatch(plan(4), time.time() + 60))
+    time.sleep(0.5)  # the trainer fetches late: its parts were sampled in time
+    assert [len(p.work) for p in result.fetch(timeout_s=10).parts] == [2, 2]
+    late = asyncio.run(ingress.dispatch(plan(4), time.time() + 0.1))
     with pytest.raises(DeadlineExceededError, match="deadline passed"):
-        result.fetch(timeout_s=10)
+        late.fetch(timeout_s=10)
     with pytest.raises(DeadlineExceededError):  # sent after its deadline: refused at the ingress
-        asyncio.run(ingress.dispatch(late, deadline=0.0))
+        asyncio.run(ingress.dispatch(plan(4), deadline=0.0))
+
+
