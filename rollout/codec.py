@@ -83,10 +83,10 @@ def tensor_from_safetensors(data: bytes) -> torch.Tensor:
     """
     try:
         start = HEADER_LENGTH_BYTES + header_length(data, len(data), _MAX_HEADER_BYTES)
-        tensors = tensor_entries(data[HEADER_LENGTH_BYTES:start], len(data) - start, _TORCH_DTYPES)
+        tensors = tensor_entries(memoryview(data)[HEADER_LENGTH_BYTES:start], len(data) - start, _TORCH_DTYPES)
     except SafetensorsHeaderError as error:
         raise CodecError(f"tensor envelope: data is not a safetensors file: {error}") from None
-    if set(tensors) != {_TENSOR_KEY}:
+    if len(tensors) != 1 or _TENSOR_KEY not in tensors:
         raise CodecError(f"tensor envelope: expected exactly the key {_TENSOR_KEY!r}, got {short_repr(sorted(tensors))}")
     tensor = tensors[_TENSOR_KEY]
     if tensor.end == 0:

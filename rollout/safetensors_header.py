@@ -42,6 +42,7 @@ SAFETENSORS_DTYPES = {
 }
 HEADER_LENGTH_BYTES = 8
 _METADATA_KEY = "__metadata__"
+_METADATA_NAME = _METADATA_KEY.encode()
 # A one-tensor header as safetensors and `rollout.codec` write it, read without a JSON parser:
 # responses carry hundreds of small tensors. Counts of up to 19 digits (any int64) written as JSON
 # writes them; anything else is left to the JSON parser, which refuses what is not JSON.
@@ -83,20 +84,25 @@ def header_length(prelude: bytes | bytearray | memoryview, file_bytes: int, max_
 
 
 def tensor_entries(
-    header: bytes | bytearray, data_bytes: int, dtypes: Mapping[str, torch.dtype]
+    header: bytes | bytearray | memoryview, data_bytes: int, dtypes: Mapping[str, torch.dtype]
 ) -> dict[str, TensorEntry]:
     """The tensors a header describes, by name, checked against the `data_bytes` that follow it;
     a dtype not in `dtypes` (safetensors' names) is refused."""
     one_tensor = _ONE_TENSOR_HEADER.fullmatch(header)
-    if one_tensor is not None and one_tensor[1] != _METADATA_KEY.encode():
+    if one_tensor is not None and one_tensor[1] != _METADATA_NAME:
+        # The pattern admits only counts: what is left to check is the dtype and the data's size.
         name, dtype_name, sizes, begin, end = one_tensor.groups()
-        shape = [int(size) for size in sizes.split(b",")] if sizes else []
+        shape = tuple(map(int, sizes.split(b","))) if sizes else ()
         name = name.decode()
-        tensors = {name: _tensor_entry(name, dtype_name.decode(), shape, int(begin), int(end), dtypes)}
+        tensors = {name: _sized_entry(name, dtype_name.decode(), shape, int(begin), int(end), dtypes)}
     else:
-        tensors = {name: _tensor_entry(name, *_entry_parts(name, entry), dtypes) for name, entry in _parsed(header).items()}
+        tensors = {
+            name: _sized_entry(name, *_counted_parts(name, *_entry_parts(name, entry)), dtypes)
+            for name, entry in _parsed(header).items()
+        }
+    ordered = tensors.items() if len(tensors) == 1 else sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end))
     end = 0
-    for name, tensor in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+    for name, tensor in ordered:
         if tensor.begin != end:
             raise SafetensorsHeaderError(f"{short_repr(name)} does not start where the tensor before it ends")
         end = tensor.end
@@ -105,9 +111,9 @@ def tensor_entries(
     return tensors
 
 
-def _parsed(header: bytes) -> dict[str, object]:
+def _parsed(header: bytes | bytearray | memoryview) -> dict[str, object]:
     try:
-        entries = json.loads(header, object_pairs_hook=_unique_keys)
+        entries = json.loads(bytes(header), object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError):  # a UnicodeDecodeError is a ValueError
         raise SafetensorsHeaderError("its header is not JSON naming each tensor once") from None
     if not isinstance(entries, dict):
@@ -134,18 +140,27 @@ def _entry_parts(name: str, entry: object) -> tuple[object, object, object, obje
     return dtype_name, shape, begin, end
 
 
-def _tensor_entry(
-    name: str, dtype_name: object, shape: object, begin: object, end: object, dtypes: Mapping[str, torch.dtype]
+def _counted_parts(
+    name: str, dtype_name: object, shape: object, begin: object, end: object
+) -> tuple[object, tuple[int, ...], int, int]:
+    """A JSON entry's parts, its shape and offsets checked to be counts."""
+    counts = [*shape, begin, end] if isinstance(shape, list) else None
+    if counts is None or not all(type(count) is int and count >= 0 for count in counts):
+        raise SafetensorsHeaderError(f"{short_repr(name)} has a shape or data offsets that are not counts")
+    return dtype_name, tuple(shape), begin, end
+
+
+def _sized_entry(
+    name: str, dtype_name: object, shape: tuple[int, ...], begin: int, end: int, dtypes: Mapping[str, torch.dtype]
 ) -> TensorEntry:
     dtype = dtypes.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise SafetensorsHeaderError(f"{short_repr(name)} has dtype {short_repr(dtype_name)}, not one of {list(dtypes)}")
-    counts = [*shape, begin, end] if isinstance(shape, list) else None
-    if counts is None or not all(type(count) is int and count >= 0 for count in counts) or begin > end:
+    if begin > end:
         raise SafetensorsHeaderError(f"{short_repr(name)} has a shape or data offsets that are not counts")
     num_bytes = math.prod(shape) * dtype.itemsize
     if end - begin != num_bytes:
         raise SafetensorsHeaderError(
             f"{short_repr(name)} has {end - begin} bytes of data, its shape and dtype take {num_bytes}"
         )
-    return TensorEntry(dtype, tuple(shape), begin, end)
+    return TensorEntry(dtype, shape, begin, end)
