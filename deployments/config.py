@@ -34,6 +34,7 @@ from rollout.models.choice import EMBEDDED_MODEL, check_model_choice
 from rollout.plan import RequestLimits
 from rollout.schema import RequestValidation
 from rollout.scorers.registry import BUILT_IN as BUILT_IN_SCORERS
+from rollout.weights import weight_version_problem
 
 AUTH_TOKEN_ENV = "ROLLOUT_AUTH_TOKEN"
 
@@ -365,6 +366,13 @@ class RolloutAppConfig(BaseModel):
     def probe_url(self) -> str | None:
         """Where the probe port answers, for the ready lines; None without one."""
         return None if self.probe_port is None else f"http://{self.probe_host}:{self.probe_port}"
+
+    @field_validator("weight_version")
+    @classmethod
+    def _a_weight_version_name(cls, version: str) -> str:
+        if problem := weight_version_problem(version):
+            raise ValueError(problem)
+        return version
 
     @model_validator(mode="after")
     def _slots_left_for_others(self) -> "RolloutAppConfig":

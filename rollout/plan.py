@@ -10,6 +10,7 @@ the model is (a worker replica), and fills in the model's defaults. Everything h
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from rollout.sampler import resolve_options
 from rollout.schema import RolloutRequest
 from rollout.transitions import LogProbForm, TransitionKind
 from rollout.tree import FACTORS_FIELD, STEPS_FIELD, Branching, TreeRoot, roots_of
+from rollout.weights import weight_version_problem
 
 if TYPE_CHECKING:
     from rollout.models.base import RolloutPipeline
@@ -52,6 +54,12 @@ class RequestLimits(BaseModel):
     )
     max_image_size: int = Field(4096, ge=1, description="Largest `height` and `width`, in pixels.")
     max_num_frames: int = Field(257, ge=1, description="Largest `num_frames` of a video model.")
+    # LTX-Video puts the frame rate in an int64 tensor: 2**63 raised inside the sampler call.
+    max_fps: int = Field(240, ge=1, description="Largest `fps` of a video model (its output's frame rate).")
+    max_prompt_bytes: int = Field(
+        16_384, ge=1, description="Largest prompt or negative prompt, in UTF-8 bytes (text encoders read at most "
+        "a few hundred tokens of it)."
+    )
     # A 480x832, 81-frame Wan video keeps 8.4 MB per latent: its whole 50-step trajectory with the
     # debug tensors is 1.7 GB a sample. The ingress holds a response whole before it sends it.
     max_response_bytes: int = Field(
@@ -132,10 +140,12 @@ def plan_rollout(
     request_id: str | None = None,
     scorers: Collection[str] = (),
     max_batch_size: int | None = None,
+    max_timeout_s: float | None = None,
 ) -> RolloutPlan:
-    """Checks a request's values against the limits, the sampling rules, the app's `scorers` and
-    its workers' `max_batch_size` (the most samples of one sampler call; None: no such bound);
-    raises `InvalidRequestError`."""
+    """Checks a request's values against the limits, the sampling rules, the app's `scorers`, its
+    workers' `max_batch_size` (the most samples of one sampler call) and its `max_timeout_s` (the
+    app's `request_timeout_s`: what `rollout_timeout_s` may ask for at most); None: no such bound.
+    Raises `InvalidRequestError`."""
     prompts = request.prompts()
     if not prompts:
         raise InvalidRequestError("prompt", "needs at least one prompt")
@@ -156,7 +166,11 @@ def plan_rollout(
     if steps > limits.max_inference_steps:
         raise InvalidRequestError("num_inference_steps", f"at most {limits.max_inference_steps}, got {steps}")
     _check_value_limits(request, limits, steps)
+    _check_prompt_sizes(prompts, request.negative_prompt, limits)
+    _check_timeout(request.rollout_timeout_s, max_timeout_s)
     _check_input_fields(request)
+    if request.weight_version is not None and (problem := weight_version_problem(request.weight_version)):
+        raise InvalidRequestError("weight_version", problem)
     negative_prompts = _negative_prompt_per_prompt(request, len(prompts))
     seed = secrets.randbelow(2**31) if request.seed is None else check_seed(request.seed)
     if seed + num_samples - 1 > MAX_SEED:
@@ -317,10 +331,33 @@ _UPPER_LIMITS = {
     "true_cfg_scale": "max_guidance_scale",
     "guidance_scale_2": "max_guidance_scale",
     "num_frames": "max_num_frames",
+    "fps": "max_fps",
     "rollout_noise_level": "max_noise_level",
     "height": "max_image_size",
     "width": "max_image_size",
 }
+
+
+def _check_prompt_sizes(prompts: Sequence[str], negative_prompt: str | Sequence[str] | None, limits: RequestLimits) -> None:
+    negatives = [negative_prompt] if isinstance(negative_prompt, str) else list(negative_prompt or ())
+    for field, texts in (("prompt", prompts), ("negative_prompt", negatives)):
+        for text in texts:
+            # A character is at most 4 UTF-8 bytes: most texts pass without being encoded.
+            if 4 * len(text) > limits.max_prompt_bytes and len(text.encode()) > limits.max_prompt_bytes:
+                raise InvalidRequestError(
+                    field, f"at most {limits.max_prompt_bytes} UTF-8 bytes (limits.max_prompt_bytes), got {len(text.encode())}"
+                )
+
+
+def _check_timeout(timeout_s: float | None, max_timeout_s: float | None) -> None:
+    if timeout_s is None:
+        return
+    if not math.isfinite(timeout_s):
+        raise InvalidRequestError("rollout_timeout_s", f"must be a finite number of seconds, got {timeout_s!r}")
+    if max_timeout_s is not None and timeout_s > max_timeout_s:
+        raise InvalidRequestError(
+            "rollout_timeout_s", f"must be at most the server's request_timeout_s ({max_timeout_s:g}), got {timeout_s:g}"
+        )
 
 
 def _check_value_limits(request: RolloutRequest, limits: RequestLimits, steps: int) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +25,21 @@ import torch
 from torch import nn
 
 from rollout.errors import WeightUpdateError, short_repr
+
+# A weight version is copied into every row every client receives and into the server's logs:
+# short, and of characters that need no escaping anywhere (a version tag, a step, a timestamp).
+MAX_WEIGHT_VERSION_CHARS = 128
+_WEIGHT_VERSION = re.compile(r"[A-Za-z0-9._:+@/-]{1,%d}" % MAX_WEIGHT_VERSION_CHARS)
+
+
+def weight_version_problem(version: str) -> str | None:
+    """Why `version` cannot name weights, or None if it can."""
+    if _WEIGHT_VERSION.fullmatch(version):
+        return None
+    return (
+        f"1 to {MAX_WEIGHT_VERSION_CHARS} characters of letters, digits and ._:+@/-, "
+        f"got {short_repr(version)} ({len(version)} characters)"
+    )
 
 # PEFT's default adapter name, so the served parameters have the names a trainer's adapter has.
 LORA_ADAPTER_NAME = "default"

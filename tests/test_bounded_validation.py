@@ -181,6 +181,8 @@ def test_a_step_list_naming_every_step_once_is_accepted():
         ("rollout_noise_level", 1e6, "max_noise_level", "noise_level"),
         ("width", 10**6, "max_image_size", "width"),
         ("height", 4097, "max_image_size", "height"),
+        # LTX-Video puts fps in an int64 tensor: 2**63 raised inside the sampler call (issue 46).
+        ("fps", 2**63, "max_fps", "fps"),
     ],
 )
 def test_values_over_a_configured_limit_are_refused_naming_the_field_and_the_limit(field, value, limit_name, option):
@@ -195,6 +197,60 @@ def test_values_over_a_configured_limit_are_refused_naming_the_field_and_the_lim
 def test_values_at_the_limits_are_accepted():
     options = plan({"prompt": "7", "guidance_scale": 100.0, "true_cfg_scale": 100.0, "rollout_noise_level": 2.0}).options
     assert (options.guidance_scale, options.true_cfg_scale, options.noise_level) == (100.0, 100.0, 2.0)
+
+
+# Fields that reach every sample, every other client or the deadline (issue 46) --------------------
+
+
+@pytest.mark.parametrize("field", ["prompt", "negative_prompt"])
+def test_a_prompt_longer_than_its_byte_limit_is_refused_counting_utf8_bytes(field):
+    most = LIMITS.max_prompt_bytes
+    assert plan({"prompt": "7", field: "7" * most}).prompts
+    for text in ("7" * (most + 1), "é" * (most // 2 + 1)):  # "é" is 2 bytes
+        error = refusal({"prompt": "7", field: text})
+        assert error.field == field and f"at most {most} UTF-8 bytes (limits.max_prompt_bytes)" in error.reason
+
+
+def test_rollout_timeout_s_is_finite_and_at_most_the_servers_request_timeout():
+    def timeout_refusal(timeout_s):
+        with pytest.raises(InvalidRequestError) as caught:
+            plan_rollout(parse_json_request({"prompt": "7", "rollout_timeout_s": timeout_s}), LIMITS, max_timeout_s=600)
+        return caught.value
+
+    # JSON's Infinity is what Python's JSON reader takes for a float: it must not become a deadline.
+    assert timeout_refusal(float("inf")).field == "rollout_timeout_s"
+    assert "finite" in timeout_refusal(float("inf")).reason
+    assert "at most the server's request_timeout_s (600)" in timeout_refusal(600.5).reason
+    assert plan_rollout(parse_request({"prompt": "7", "rollout_timeout_s": 600}), LIMITS, max_timeout_s=600).request
+
+
+def parse_json_request(body: dict):
+    return parse_request(parse_json(json.dumps(body).encode()))
+
+
+@pytest.mark.parametrize(
+    "version, refused",
+    [
+        ("step-100", False),
+        ("run/2026-12-06T10:00:00+00:00@trainer.v2", False),
+        ("x" * 128, False),
+        ("x" * 129, True),
+        ("", True),
+        ("a b", True),
+        ("v1\nforged log line", True),
+        ("\u202eversion", True),
+    ],
+)
+def test_a_weight_version_is_short_and_of_a_safe_alphabet(version, refused):
+    """A request's `weight_version` is checked as a weight update's and the app config's are (one
+    rule, `rollout.weights.weight_version_problem`): an update's is copied into every later row."""
+    body = {"prompt": "7", "weight_version": version}
+    if refused:
+        error = refusal(body)
+        assert error.field == "weight_version" and "1 to 128 characters" in error.reason
+        assert len(str(error)) < 400
+    else:
+        assert plan(body).request.weight_version == version
 
 
 # Errors carry excerpts ----------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class GenerateRoutes:
             self.config.limits,
             scorers=self.config.scorers.keys(),
             max_batch_size=self.config.max_batch_size,
+            max_timeout_s=self.config.request_timeout_s,
         )
 
     async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:

@@ -27,6 +27,7 @@ from rollout.schema import (
     parse_body,
     parse_tensor_update,
 )
+from rollout.weights import weight_version_problem
 
 logger = logging.getLogger("ray.serve")
 # A pipeline has a few modules; a checksum request naming more is not a real one, and its answer
@@ -66,6 +67,9 @@ class WeightRoutes:
         return {replica: report.result for replica, report in reports.items()}
 
     async def _update(self, source: DiskSource | TensorSource, weight_version: str | None) -> UpdateResult:
+        # Every later row of every client carries the version: checked here, for HTTP and handle alike.
+        if weight_version is not None and (problem := weight_version_problem(weight_version)):
+            raise InvalidRequestError("weight_version", problem)
         result = await self.coordinator.update.remote(source, weight_version)
         logger.info("weight update: %s", clip(result.message, MAX_MESSAGE_CHARS))  # one short line, whatever answered
         return result
@@ -75,20 +79,21 @@ class WeightRoutes:
         try:
             raw = await self.bodies.read(http_request)
             body = parse_body(UpdateWeightsFromDiskRequest, raw)
+            result = await self._update(DiskSource(body.model_path, body.target_modules), body.weight_version)
         except RolloutError as error:
             return weights_refusal(error)
-        source = DiskSource(body.model_path, body.target_modules)
-        return _weights_answer(await self._update(source, body.weight_version))
+        return _weights_answer(result)
 
     @route("POST", "/update_weights_from_tensor")
     async def http_update_weights_from_tensor(self, http_request: Request) -> Response:
         try:
             raw = await self.bodies.read(http_request, TENSOR_UPDATE_BODY)
             body = parse_tensor_update(raw)
+            source = TensorSource(body.named_tensors, body.target_modules, body.lora_rank, body.lora_alpha)
+            result = await self._update(source, body.weight_version)
         except RolloutError as error:
             return weights_refusal(error)
-        source = TensorSource(body.named_tensors, body.target_modules, body.lora_rank, body.lora_alpha)
-        return _weights_answer(await self._update(source, body.weight_version))
+        return _weights_answer(result)
 
     @route("POST", "/get_weights_checksum")
     async def http_get_weights_checksum(self, http_request: Request) -> Response:

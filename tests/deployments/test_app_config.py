@@ -47,6 +47,7 @@ def test_build_app_takes_no_arguments_or_a_dict():
         ({"model": {"max_sequence_length": 77}}, "model.max_sequence_length", "the embedded model has no text encoder"),
         ({"model": {"vae_tiling": True}}, "model.vae_tiling", "the embedded model has no VAE"),
         ({"model": {"batch_invariance": "fast"}}, "model.batch_invariance", "Input should be 'padding' or 'kernels'"),
+        ({"weight_version": "first weights"}, "weight_version", "1 to 128 characters of letters, digits"),
     ],
 )
 def test_a_bad_config_fails_build_app_naming_the_field(args, field, reason):

@@ -25,7 +25,7 @@ from deployments.app import build_app
 from deployments.memory import MemoryReleasedError
 from deployments.weights import ObjectStoreTensors
 from rollout.codec import TensorEncoder, from_msgpack
-from rollout.errors import WeightUpdateError
+from rollout.errors import InvalidRequestError, WeightUpdateError
 from rollout.models.digits import DEFAULT_WEIGHTS
 from rollout.models.registry import load_pipeline
 from rollout.replay import replay_log_probs, transition_log_probs
@@ -349,6 +349,14 @@ def test_release_and_resume_memory_occupation_through_the_handle(app, base):
     resumed = app.handle.resume_memory_occupation.remote().result()
     assert len(resumed) == 2 and all(message.startswith("resumed") for message in resumed.values()), resumed
     assert {s.weight_version for s in app.handle.generate.remote(request).result().batch().samples} == {"base"}
+
+
+def test_a_weight_version_that_would_reach_every_row_is_refused_on_both_paths(app, http):
+    """Every later row of every client carries the served version (issue 46: 1 MiB was accepted)."""
+    response = http.post(f"{app.url}/update_weights_from_disk", json={"model_path": "/x", "weight_version": "v" * 129})
+    assert response.status_code == 400 and "weight_version: 1 to 128 characters" in response.json()["message"]
+    with pytest.raises(InvalidRequestError, match="1 to 128 characters"):
+        app.handle.update_weights_from_disk.remote("/x", weight_version="a b").result()
 
 
 def test_a_replica_that_restarts_catches_up(app, base):
