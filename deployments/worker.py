@@ -19,14 +19,16 @@ from deployments.config import RolloutAppConfig
 from deployments.memory import MemoryOccupation
 from deployments.weights import ServedWeights
 from deployments.work import SamplingWork, WorkerResult
-from rollout.calibration import require_batch_invariance
+from rollout.calibration import CALIBRATION_PROMPT, CALIBRATION_STEPS, UNGUIDED, require_batch_invariance
 from rollout.cost import transformer_cost
 from rollout.errors import NonFiniteOutputError, RolloutError
 from rollout.kernels import BatchInvariance
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.plan import checked_against_model
-from rollout.sampler import SamplerCall, micro_batch_size, sample_tree
+from rollout.options import SamplingOptions
+from rollout.sampler import SamplerCall, micro_batch_size, sample, sample_tree
+from rollout.transitions import TransitionKind
 from rollout.weights import weights_layout
 
 logger = logging.getLogger("ray.serve")
@@ -110,11 +112,25 @@ class RolloutWorker:
 
     def check_health(self) -> None:
         """Serve's periodic check: sampler calls that fail one after the other, whatever the requests,
-        mean a broken pipeline (a device error, weights gone bad). A call that raised counts, and so
-        does one whose every request's samples were NaN or infinite (weights finite but too large to
+        mean a broken pipeline (a device error, weights gone bad). A call that raised counts when the
+        replica's own probe request fails too (else the request explains it: issue 46), and so does
+        one whose every request's samples were NaN or infinite (weights finite but too large to
         sample with). Serve then replaces the replica; meanwhile `/health` stops counting it."""
         if self._failed_calls_in_a_row >= BROKEN_AFTER_FAILED_CALLS:
             raise RuntimeError(f"the last {self._failed_calls_in_a_row} sampler calls failed or gave no finite samples")
+
+    def _samples_a_probe(self) -> bool:
+        """Whether this replica still samples a small request of its own (the calibration prompt,
+        one frame, no guidance, `CALIBRATION_STEPS` deterministic steps) to finite images."""
+        options = SamplingOptions(
+            num_inference_steps=CALIBRATION_STEPS, num_frames=1, sde_type=TransitionKind.ODE, return_step_indices=(), **UNGUIDED
+        )
+        try:
+            sample(self.pipeline, [CALIBRATION_PROMPT], [0], options).check_finite()
+        except Exception:
+            logger.exception("the replica's own probe request failed too: the failure counts toward replacing it")
+            return False
+        return True
 
     def info(self) -> dict:
         scheduler = self.pipeline.scheduler
@@ -170,11 +186,17 @@ class RolloutWorker:
             call, peak_memory_mb = _sample_measured(
                 self.pipeline, roots, group[0].options, weight_version=self.weights.version
             )
-        except Exception as error:  # reported to each request of the group, the others go on
-            logger.exception("sampling failed for %d requests", len(group))
-            self._failed_calls_in_a_row += 1
-            for i in servable:
-                results[i] = error
+        except Exception as error:
+            if len(group) > 1:  # one request's failure must not fail its companions: each again alone
+                logger.warning("a sampler call of %d requests failed (%r); sampling each alone", len(group), error)
+                for i, work in zip(servable, group):
+                    (results[i],) = self._sample_group([work])
+                return results
+            logger.exception("sampling failed for a request of %d samples", len(group[0]))
+            results[servable[0]] = error
+            # A failure counts toward replacing the replica only if no request explains it: when the
+            # replica cannot sample a request nobody sent either (a device error, weights gone bad).
+            self._failed_calls_in_a_row = 0 if self._samples_a_probe() else self._failed_calls_in_a_row + 1
             return results
         elapsed = time.perf_counter() - start
         offset = 0

@@ -1,6 +1,7 @@
 """A pipeline that breaks or turns out NaN, a client that goes away, a server that stops: each on
 a real local cluster, with the fault injected inside the worker replica."""
 
+import concurrent.futures
 import json
 import math
 import threading
@@ -58,6 +59,48 @@ def test_non_finite_samples_are_never_served_as_a_success(one_worker, http):
     finally:
         on_replicas(one_worker.name, "RolloutWorker", lambda worker: vars(worker.pipeline).pop("predict_velocity"))
     assert http.post(f"{one_worker.url}/rollout/generate", json=request_body(1)).status_code == 200
+
+
+def test_requests_that_raise_inside_the_sampler_leave_the_replica_serving_and_their_companions_sampled(one_worker, http):
+    """The client's fault is the client's (issue 46): a request whose sampler call raises (here, any
+    call that holds the prompt "3") gets its error; a companion of its call is sampled again alone;
+    and since the replica's own probe request still samples, the failures do not count toward
+    replacing it."""
+
+    def raising_on_a_three(worker):
+        encode = worker.pipeline.encode_prompts
+        worker.calls = []
+
+        def encode_unless_three(prompts, *args, **kwargs):
+            worker.calls.append(sorted(prompts))
+            if "3" in prompts:
+                raise ValueError("this request's values overflow inside the model")
+            return encode(prompts, *args, **kwargs)
+
+        worker.pipeline.encode_prompts = encode_unless_three
+
+    def both(pool):  # a failing request and a companion, sent together so that they share a call
+        bodies = [{**request_body(3, samples=1), "seed": 1}, {**request_body(4, samples=1), "seed": 1}]
+        return [f.result().status_code for f in [pool.submit(http_post, f"{one_worker.url}/rollout/generate", b) for b in bodies]]
+
+    (replica,) = pids(one_worker.name, "RolloutWorker")
+    on_replicas(one_worker.name, "RolloutWorker", raising_on_a_three)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for _ in range(4):  # more than BROKEN_AFTER_FAILED_CALLS failures
+                assert both(pool) == [500, 200]
+        (calls,) = on_replicas(one_worker.name, "RolloutWorker", lambda worker: worker.calls)
+        assert ["3", "4"] in calls, calls  # a shared call failed, and the companion was sampled alone
+        assert on_replicas(one_worker.name, "RolloutWorker", lambda worker: worker._failed_calls_in_a_row) == [0]
+        time.sleep(1.5)  # three of Serve's health checks
+        assert http.get(f"{one_worker.url}/health").status_code == 200
+        assert pids(one_worker.name, "RolloutWorker") == [replica]
+    finally:
+        on_replicas(one_worker.name, "RolloutWorker", lambda worker: vars(worker.pipeline).pop("encode_prompts") and None)
+
+
+def http_post(url: str, body: dict) -> requests.Response:
+    return requests.post(url, json=body, timeout=60)
 
 
 def test_a_broken_pipeline_is_unhealthy_until_serve_replaces_its_replica(one_worker, http):
