@@ -43,7 +43,8 @@ os.environ.setdefault("RAY_enable_output_error_log_if_still_retry", "0")
 import click  # noqa: E402
 import yaml  # noqa: E402  (Ray's own dependency, which reads Serve config files)
 
-from deployments.config import AppConfigError, RolloutAppConfig, nest_dotted_keys  # noqa: E402
+from deployments.auth import is_loopback  # noqa: E402
+from deployments.config import AUTH_TOKEN_ENV, AppConfigError, RolloutAppConfig, nest_dotted_keys  # noqa: E402
 from rollout.calibration import DEFAULT_CANDIDATES, DEFAULT_LOAD  # noqa: E402
 
 if TYPE_CHECKING:
@@ -152,6 +153,11 @@ def app_config(arguments: argparse.Namespace) -> tuple[RolloutAppConfig, dict]:
         raise SystemExit(f"app config: {error}") from None
     host = arguments.host or http_options.get("host", HTTP_HOST)
     port = arguments.port or http_options.get("port", HTTP_PORT)
+    if not is_loopback(host) and config.auth_token is None and not config.allow_unauthenticated:
+        raise SystemExit(
+            f"app config: serving on {host}, which other machines reach, needs auth_token (or {AUTH_TOKEN_ENV} in "
+            "the environment); allow_unauthenticated=true serves without one"
+        )
     return config, {"host": host, "port": port}
 
 

@@ -210,6 +210,11 @@ class RolloutAppConfig(BaseModel):
         description="Bearer token every HTTP route except /liveness requires (401 without it); the handle "
         f"needs none. Unset: {AUTH_TOKEN_ENV} from the environment of the process that builds the app, if set.",
     )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Without auth_token, let clients on other machines call the routes that change or read the "
+        "served weights and memory, and let `python -m deployments serve` listen on a host other than loopback.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     served_model_name: str | None = Field(
         None, description="Name reported by `/v1/models` and `/server_info`; None: the model's name."

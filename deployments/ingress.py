@@ -20,7 +20,7 @@ from deployments.dispatch import Dispatcher, ServeWorkers
 from deployments.load import outstanding_samples
 from deployments.probes import ProbeServer
 from deployments.scoring import ServeScorers
-from deployments.routes import discovery, generate, health, memory, mount, weights
+from deployments.routes import discovery, generate, health, memory, mount, operator_paths, weights
 
 logger = logging.getLogger("ray.serve")
 
@@ -33,7 +33,7 @@ CONCERNS = [
 ]
 app = FastAPI(title="diffusion rollout server")
 mount(app, CONCERNS)
-require_bearer_token(app)
+require_bearer_token(app, operator_paths(CONCERNS))
 
 
 @serve.deployment

@@ -20,14 +20,27 @@ from collections.abc import Callable
 from fastapi import FastAPI
 
 
-def route(method: str, path: str) -> Callable:
-    """Declares the decorated mixin method as the HTTP route `method path`."""
+def route(method: str, path: str, operator: bool = False) -> Callable:
+    """Declares the decorated mixin method as the HTTP route `method path`; `operator`: it changes or
+    reads what every replica serves (weights, memory), so without a token only this machine may
+    call it (`deployments/auth.py`)."""
 
     def declare(endpoint: Callable) -> Callable:
         endpoint.http_route = (method, path)
+        endpoint.operator_route = operator
         return endpoint
 
     return declare
+
+
+def operator_paths(mixins: list[type]) -> frozenset[str]:
+    """The paths of the operator routes the mixins declare."""
+    return frozenset(
+        endpoint.http_route[1]
+        for mixin in mixins
+        for endpoint in vars(mixin).values()
+        if getattr(endpoint, "operator_route", False)
+    )
 
 
 def mount(app: FastAPI, mixins: list[type]) -> None:

@@ -22,11 +22,11 @@ class MemoryRoutes:
         it did. Raises `MemoryCommandError` if a replica failed."""
         return _done_on_every_replica(await self._on_every_replica(ResumeMemory()))
 
-    @route("POST", "/release_memory_occupation")
+    @route("POST", "/release_memory_occupation", operator=True)
     async def http_release_memory_occupation(self) -> Response:
         return _answer(await self._on_every_replica(ReleaseMemory()))
 
-    @route("POST", "/resume_memory_occupation")
+    @route("POST", "/resume_memory_occupation", operator=True)
     async def http_resume_memory_occupation(self) -> Response:
         return _answer(await self._on_every_replica(ResumeMemory()))
 

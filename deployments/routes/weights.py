@@ -74,7 +74,7 @@ class WeightRoutes:
         logger.info("weight update: %s", clip(result.message, MAX_MESSAGE_CHARS))  # one short line, whatever answered
         return result
 
-    @route("POST", "/update_weights_from_disk")
+    @route("POST", "/update_weights_from_disk", operator=True)
     async def http_update_weights_from_disk(self, http_request: Request) -> Response:
         try:
             raw = await self.bodies.read(http_request)
@@ -84,7 +84,7 @@ class WeightRoutes:
             return weights_refusal(error)
         return _weights_answer(result)
 
-    @route("POST", "/update_weights_from_tensor")
+    @route("POST", "/update_weights_from_tensor", operator=True)
     async def http_update_weights_from_tensor(self, http_request: Request) -> Response:
         try:
             raw = await self.bodies.read(http_request, TENSOR_UPDATE_BODY)
@@ -95,7 +95,7 @@ class WeightRoutes:
             return weights_refusal(error)
         return _weights_answer(result)
 
-    @route("POST", "/get_weights_checksum")
+    @route("POST", "/get_weights_checksum", operator=True)
     async def http_get_weights_checksum(self, http_request: Request) -> Response:
         try:
             raw = await self.bodies.read(http_request)

@@ -77,12 +77,22 @@ def test_a_config_file_that_is_not_one_rollout_application_is_one_line(tmp_path,
         (["num_worker_replicas=0"], "app config: num_worker_replicas: "),
         (["model.path=/no/such/model"], "app config: model.path: /no/such/model is not a directory: it does not exist"),
         (["model.dtype"], "arguments: "),
+        # Issue 46: a host other machines reach, with nothing asked of them.
+        (["--host", "0.0.0.0"], "app config: serving on 0.0.0.0, which other machines reach, needs auth_token"),
+        (["--host", "10.1.2.3"], "app config: serving on 10.1.2.3, which other machines reach, needs auth_token"),
     ],
 )
 def test_bad_arguments_are_one_line_naming_the_field(argv, message):
     with pytest.raises(SystemExit) as stopped:
         cli.app_config(serve_arguments(*argv))
     assert str(stopped.value).startswith(message) and "\n" not in str(stopped.value)
+
+
+def test_a_public_host_serves_with_a_token_or_when_allowed_without_one(monkeypatch):
+    monkeypatch.delenv("ROLLOUT_AUTH_TOKEN", raising=False)
+    for argv in (["--host", "0.0.0.0", "auth_token=s3cret"], ["--host", "0.0.0.0", "allow_unauthenticated=true"]):
+        assert cli.app_config(serve_arguments(*argv))[1]["host"] == "0.0.0.0"
+    assert cli.app_config(serve_arguments("--host", "127.0.0.2"))[1]["host"] == "127.0.0.2"
 
 
 class Answering(http.server.BaseHTTPRequestHandler):

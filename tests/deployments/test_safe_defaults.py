@@ -12,16 +12,25 @@ from starlette.responses import PlainTextResponse
 
 from deployments.auth import BearerTokenMiddleware
 from deployments.config import AUTH_TOKEN_ENV, RolloutAppConfig
+from deployments.ingress import CONCERNS
 from deployments.ingress import app as ingress_app
+from deployments.routes import operator_paths
 from tests.deployments.apps import deploy
 
 UNIT_TOKEN = "s3cret-tök"
 
 
-def _answer(path: str, authorization: bytes | None = None, root_path: str = "", token: str | None = UNIT_TOKEN):
-    """(status, headers) of a GET through the middleware in front of an app that answers 200."""
+def _answer(
+    path: str,
+    authorization: bytes | None = None,
+    root_path: str = "",
+    token: str | None = UNIT_TOKEN,
+    client: tuple[str, int] | None = ("127.0.0.1", 50000),
+    operators_anywhere: bool = False,
+):
+    """(status, headers) of a GET from `client` through the middleware in front of an app that answers 200."""
     headers = [] if authorization is None else [(b"authorization", authorization)]
-    scope = {"type": "http", "method": "GET", "path": path, "root_path": root_path, "headers": headers}
+    scope = {"type": "http", "method": "GET", "path": path, "root_path": root_path, "headers": headers, "client": client}
     messages = []
 
     async def receive():
@@ -30,7 +39,9 @@ def _answer(path: str, authorization: bytes | None = None, root_path: str = "", 
     async def send(message):
         messages.append(message)
 
-    middleware = BearerTokenMiddleware(PlainTextResponse("ok"), lambda: token and SecretStr(token))
+    middleware = BearerTokenMiddleware(
+        PlainTextResponse("ok"), lambda: token and SecretStr(token), operator_paths(CONCERNS), lambda: operators_anywhere
+    )
     asyncio.run(middleware(scope, receive, send))
     return messages[0]["status"], dict(messages[0]["headers"])
 
@@ -61,8 +72,37 @@ def test_liveness_is_open_under_a_route_prefix_and_nothing_else_is():
     assert _answer("/liveness/x")[0] == 401
 
 
-def test_without_a_token_every_route_is_open():
+def test_without_a_token_every_route_is_open_to_this_machine():
     assert _answer("/rollout/generate", token=None)[0] == 200
+    assert _answer("/rollout/generate", token=None, client=("10.0.0.7", 50000))[0] == 200
+
+
+OPERATOR_ROUTES = [
+    "/update_weights_from_disk",
+    "/update_weights_from_tensor",
+    "/get_weights_checksum",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+]
+
+
+@pytest.mark.parametrize("path", OPERATOR_ROUTES)
+def test_without_a_token_operator_routes_answer_only_this_machine(path):
+    """Issue 46: with the default config (no token), anyone who reached the port could put every
+    replica to sleep or swap its weights."""
+    for client in [("10.0.0.7", 50000), ("192.168.1.2", 1), ("::ffff:10.0.0.7", 2), ("2001:db8::1", 3), ("example.org", 4)]:
+        status, _ = _answer(path, token=None, client=client)
+        assert status == 403, client
+    for client in [("127.0.0.1", 50000), ("127.0.0.3", 1), ("::1", 2), ("::ffff:127.0.0.1", 3), None]:
+        assert _answer(path, token=None, client=client)[0] == 200, client
+    assert _answer(path, token=None, client=("10.0.0.7", 50000), operators_anywhere=True)[0] == 200
+    # With a token, the token decides, wherever the client is.
+    assert _answer(path, client=("10.0.0.7", 50000))[0] == 401
+    assert _answer(path, b"Bearer " + UNIT_TOKEN.encode(), client=("10.0.0.7", 50000))[0] == 200
+
+
+def test_the_operator_routes_are_the_ones_that_change_or_read_the_served_weights_and_memory():
+    assert operator_paths(CONCERNS) == frozenset(OPERATOR_ROUTES)
 
 
 def test_the_token_comes_from_the_config_else_the_environment(monkeypatch):
