@@ -26,6 +26,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from rollout.errors import logged_failure
+
 logger = logging.getLogger("ray.serve")
 
 # How long a worker's poll waits for a command before asking again.
@@ -264,16 +266,16 @@ class Follower:
         try:
             fetched = [await ref for ref in command.refs()]
         except Exception as error:  # the object is lost (its owner died), say
-            return Report(False, f"cannot fetch the command's data: {type(error).__name__}: {error}", self._served_version())
+            failure = logged_failure(error, logger, f"fetching the data of a {type(command).__name__} command")
+            return Report(False, f"cannot fetch the command's data: {failure}", self._served_version())
         try:
             report = await self._run_on_sampling_thread(self._execute, command, fetched)
-        except Exception as error:
-            logger.exception("command %s failed", type(command).__name__)
-            report = Report(False, f"{type(error).__name__}: {error}")
+        except Exception as error:  # its text (paths, device messages) stays in this replica's log
+            report = Report(False, logged_failure(error, logger, f"command {type(command).__name__}"))
         return Report(report.ok, report.message, self._served_version(), report.result)
 
     def _execute(self, command: Command, fetched: list[Any]) -> Report:
         handler = self._handlers.get(type(command))
         if handler is None:
-            raise TypeError(f"this replica has no handler for {type(command).__name__} commands")
+            return Report(False, f"this replica has no handler for {type(command).__name__} commands")
         return handler(command, *fetched)

@@ -7,7 +7,8 @@ is free it takes every part waiting, oldest first, up to `max_batch_size` sample
 a lone part is scored at once, and parts that arrive while it is busy share the next call. A
 sample's score does not depend on its companions (the scorers' own contract), so any grouping
 gives the same bits. If a call of several parts fails, each part is scored alone, so that one
-request's bad sample fails that request only. A group-aware scorer takes the same queue one group
+request's bad sample fails that request only. A scorer's exception is logged here under a short
+id, and its request told only its type and the id: its text may name paths, PIDs or devices. A group-aware scorer takes the same queue one group
 a call: a replica never runs its scorer on two threads at once, whichever kind it is.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 from ray import serve
 
 from deployments.batching import BatchingQueue
-from rollout.errors import ScorerError
+from rollout.errors import ScorerError, logged_failure
 from rollout.scorers.base import ScoringSample, checked_scores
 from rollout.scorers.registry import build_scorer
 
@@ -85,9 +86,11 @@ class ScorerReplica:
     def _scored(self, samples: list[ScoringSample]) -> list[float]:
         try:
             scores = self.scorer.score(samples)
-        except Exception as error:
+        except ScorerError as error:  # a scorer's own short message
             logger.exception("scorer %r failed on %d samples", self.name, len(samples))
             # Named as the app config names it: an HTTP scorer, say, knows only its own name.
-            reason = error.reason if isinstance(error, ScorerError) else f"{type(error).__name__}: {error}"
+            raise ScorerError(self.name, error.reason) from None
+        except Exception as error:  # its text may hold paths, PIDs, CUDA messages: the log has it
+            reason = logged_failure(error, logger, f"scorer {self.name!r} on {len(samples)} samples")
             raise ScorerError(self.name, reason) from None
         return checked_scores(self.name, scores, len(samples))

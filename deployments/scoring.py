@@ -10,10 +10,10 @@ trainer's images go from the workers' object store to the scorers without passin
   part holding a sample of it is fetched.
 - A scorer replica that dies is asked again, up to the scorer's `retry_attempts`: the samples are
   kept here, never sampled again. A scorer that raises, answers wrongly or takes longer than its
-  `timeout_s` fails the request with a `ScorerError` naming it, or, with
-  `rollout_reward_on_error: "null"`, leaves its rewards null. The failed request's samples are
-  still there to score again: through the handle in its `RolloutResult`, over HTTP in
-  `dispatch.UnscoredResults` for the same request sent again.
+  `timeout_s` fails the request with a `ScorerError` naming it (an exception by its type and an
+  id under which the log has its text), or, with `rollout_reward_on_error: "null"`, leaves its
+  rewards null. The failed request's samples are still there to score again: through the handle
+  in its `RolloutResult`, over HTTP in `dispatch.UnscoredResults` for the same request sent again.
 - With `rollout_advantages: "group"`, each scorer's rewards are normalised within each group once
   all are in (`rollout.advantages`); a group with a null reward gets null advantages.
 - The request's reward times (`RewardTimes`) are the request's, given once beside its parts.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ import ray
 from deployments.retries import asked_until_not_lost
 from deployments.work import WorkerResult
 from rollout.advantages import group_advantages
-from rollout.errors import ScorerError
+from rollout.errors import ScorerError, logged_failure
 from rollout.plan import RewardPlan
 from rollout.scorers.base import ScoringSample, checked_scores
 from rollout.trajectory import RolloutBatch
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 
 # A scorer call whose replica died (samples travel by value, so no object can be lost with it).
 REPLICA_LOST = ray.exceptions.RayActorError
+
+logger = logging.getLogger("ray.serve")
 
 
 class Scorers(Protocol):
@@ -185,6 +188,8 @@ class RequestScoring:
             return await asyncio.wait_for(self.scorers.group_aware(name), self.settings[name].timeout_s)
         except (REPLICA_LOST, asyncio.TimeoutError) as error:
             raise ScorerError(name, f"its deployment did not answer ({type(error).__name__})") from None
+        except Exception as error:
+            raise ScorerError(name, logged_failure(error, logger, f"asking scorer {name!r} its kind")) from None
 
     async def _scores(self, name: str, samples: list[ScoringSample], calls: list) -> list[float | None]:
         """The scorer's scores of `samples`, asked again while its replica dies; on failure, a
@@ -196,6 +201,11 @@ class RequestScoring:
                 scores = await asyncio.wait_for(self.scorers.score(name, samples), settings.timeout_s)
             except asyncio.TimeoutError:
                 raise ScorerError(name, f"did not answer {len(samples)} samples within its timeout_s ({settings.timeout_s} s)") from None
+            except (ScorerError, REPLICA_LOST):  # a scorer's own message; a lost replica is asked again
+                raise
+            except Exception as error:  # whatever else Ray or Serve raised: its text stays in the log
+                reason = logged_failure(error, logger, f"scorer {name!r} on {len(samples)} samples")
+                raise ScorerError(name, reason) from None
             return checked_scores(name, scores, len(samples))
 
         start = time.perf_counter()

@@ -26,7 +26,7 @@ from ray import serve
 from ray.serve.schema import LoggingConfig
 
 from deployments.broadcast import Command, CommandLog, Posted, Report
-from rollout.checkpoints import disk_update
+from rollout.checkpoints import UnreadableCheckpointError, disk_update
 from rollout.errors import RolloutError, WeightUpdateError, clip
 from rollout.weights import (
     DEFAULT_TARGET_MODULE,
@@ -221,6 +221,9 @@ class WeightCoordinator:
                 return UpdateResult(False, "no worker replica is running", self.version)
             try:
                 committed = await self._apply_command(source, version)
+            except UnreadableCheckpointError as error:  # the same answer for every such path; its cause only here
+                logger.warning("weight update refused: %s %s", error.shown, error.cause)
+                return UpdateResult(False, str(error), self.version)
             except WeightUpdateError as error:
                 return UpdateResult(False, str(error), self.version)
             except Exception:  # refused, not a crash; its text may hold paths and values, so only the log has it

@@ -6,9 +6,14 @@ the allowed roots; every file is opened without following a symlink and without 
 must be a regular file (a FIFO or a device is refused, never waited on). A file's header is
 checked against its size (`rollout.safetensors_header`), and, given the pipeline's
 `weights_layout`, against the model's names and shapes, before any of its data is read; each
-tensor is then read straight into its own buffer. Refusals name the path as it was given, never
-what it resolves to, and say the same of a path that does not exist as of one this process cannot
-read.
+tensor is then read straight into its own buffer.
+
+Refusals name the path as it was given, never what it resolves to. Every path that cannot be read
+as a checkpoint (missing, unreadable, outside the allowed roots, a directory where a file is
+wanted, a file that is no safetensors file or PEFT config) gets one message,
+`UnreadableCheckpointError`, whose `cause` only the server logs: otherwise a client could probe the
+file system through refusals. A checkpoint that was read says why it does not fit the model (its
+tensors' names and shapes, its LoRA rank): that tells only what a safetensors file holds.
 """
 
 from __future__ import annotations
@@ -51,9 +56,26 @@ _SAVED_ADAPTER_PREFIXES = ("base_model.model.", "transformer.")
 # it bounds what a file can make this process hold before anything in it is checked.
 MAX_SAFETENSORS_HEADER_BYTES = 16 * 2**20
 MAX_ADAPTER_CONFIG_BYTES = 2**20
-# One answer for every path that cannot be opened as a checkpoint: a refusal must not tell whether
-# something exists where the caller cannot read.
-_UNREADABLE = "does not exist, cannot be read, or is not a regular file or directory"
+MAX_CAUSE_CHARS = 500  # a cause names paths and OS errors: a log line's worth
+_UNREADABLE = (
+    "cannot be read as a checkpoint (it is missing, unreadable, outside the allowed weight paths, or not a "
+    "safetensors file, PEFT adapter or pipeline directory; the server log says which)"
+)
+
+
+class UnreadableCheckpointError(WeightUpdateError):
+    """A path that cannot be read as a checkpoint, whatever the reason, in one message.
+
+    Attributes:
+        cause: which reason, for the server log only: it tells what is on the server's disk.
+    """
+
+    def __init__(self, shown: str, cause: str):
+        self.shown, self.cause = shown, clip(cause, MAX_CAUSE_CHARS)
+        super().__init__("model_path", f"{shown} {_UNREADABLE}")
+
+    def __reduce__(self):
+        return (type(self), (self.shown, self.cause))
 
 
 def disk_update(
@@ -86,30 +108,53 @@ def disk_update(
             "model_path", "is empty; give a checkpoint directory, a PEFT adapter directory or a .safetensors file"
         )
     layouts = modules if isinstance(modules, Mapping) else dict.fromkeys(modules)
+    # Checked before the path, so that no refusal of the request's own fields depends on what is on disk.
+    check_known_modules(target_modules or (), layouts)
     roots = [Path(root).expanduser().resolve() for root in allowed_roots]
+    try:
+        return _checkpoint_update(given, layouts, target_modules, roots)
+    except UnreadableCheckpointError as error:
+        if error.shown == _shown(given):
+            raise
+        # Named by the path as given: naming a file in it would tell what the directory holds.
+        raise UnreadableCheckpointError(_shown(given), f"{error.shown}: {error.cause}") from None
+
+
+def _checkpoint_update(
+    given: str,
+    layouts: Mapping[str, Mapping[str, TensorLayout] | None],
+    target_modules: Sequence[str] | None,
+    roots: Sequence[Path],
+) -> WeightUpdate:
     path = _resolved(Path(given), roots, _shown(given))
     if not _is_directory(path, _shown(given)):
-        module = _known_target(target_modules, layouts)
+        module = _single_target(target_modules, layouts, _shown(given), "a safetensors file")
         return WeightUpdate(state_dicts=_read_weights({module: [(path, _shown(given))]}, layouts, roots))
     if os.path.lexists(path / PEFT_CONFIG_FILE):
-        module = _known_target(target_modules, layouts)
+        module = _single_target(target_modules, layouts, _shown(given), "a PEFT adapter")
         return WeightUpdate(lora={module: _read_peft_adapter(path, given, module, layouts[module], roots)})
-    check_known_modules(target_modules or (), layouts)
     names = list(target_modules or layouts)
     files = {name: _module_files(path, given, name, roots) for name in names}
     missing = [name for name, found in files.items() if not found]
     if missing:
-        raise WeightUpdateError(
-            "model_path",
-            f"{_shown(given)} has no safetensors weights for {missing} (looked for <module>/*.safetensors and "
+        raise UnreadableCheckpointError(
+            _shown(given),
+            f"a directory with no safetensors weights for {missing} (looked for <module>/*.safetensors and "
             "<module>.safetensors); no partial update is made",
         )
     lora = {} if target_modules else {name: None for name in names}
     return WeightUpdate(state_dicts=_read_weights(files, layouts, roots), lora=lora)
 
 
-def _known_target(target_modules: Sequence[str] | None, layouts: Collection[str]) -> str:
-    module = single_target(target_modules)
+def _single_target(
+    target_modules: Sequence[str] | None, layouts: Collection[str], shown: str, kind: str
+) -> str:
+    """The one module `kind` of checkpoint holds. Several targets get the one refusal of an
+    unreadable path: a refusal naming the kind would tell that such a checkpoint is there."""
+    try:
+        module = single_target(target_modules)
+    except WeightUpdateError as error:
+        raise UnreadableCheckpointError(shown, f"{kind}, which holds one module: {error}") from None
     check_known_modules([module], layouts)
     return module
 
@@ -119,12 +164,8 @@ def _shown(given: str) -> str:
     return repr(clip(given))
 
 
-def _unreadable(shown: str) -> WeightUpdateError:
-    return WeightUpdateError("model_path", f"{shown} {_UNREADABLE}")
-
-
-def _not_safetensors(shown: str, reason: str) -> WeightUpdateError:
-    return WeightUpdateError("model_path", f"{shown} is not a safetensors file: {reason}")
+def _not_safetensors(shown: str, reason: str) -> UnreadableCheckpointError:
+    return UnreadableCheckpointError(shown, f"not a safetensors file: {reason}")
 
 
 def _resolved(path: Path, roots: Sequence[Path], shown: str) -> Path:
@@ -135,10 +176,10 @@ def _resolved(path: Path, roots: Sequence[Path], shown: str) -> Path:
     """
     try:
         resolved = path.expanduser().resolve()
-    except (OSError, RuntimeError, ValueError):  # a symlink loop, a name too long, a NUL byte
-        raise _unreadable(shown) from None
+    except (OSError, RuntimeError, ValueError) as error:  # a symlink loop, a name too long, a NUL byte
+        raise UnreadableCheckpointError(shown, f"cannot be resolved: {error!r}") from None
     if roots and not any(resolved.is_relative_to(root) for root in roots):
-        raise WeightUpdateError("model_path", f"{shown} is outside the allowed weight paths (allowed_weight_paths)")
+        raise UnreadableCheckpointError(shown, f"resolves to {str(resolved)!r}, outside allowed_weight_paths")
     return resolved
 
 
@@ -146,13 +187,13 @@ def _is_directory(path: Path, shown: str) -> bool:
     """Whether `path` is a directory this process can list; False for a regular file; refused otherwise."""
     try:
         mode = os.stat(path).st_mode
-    except (OSError, ValueError):
-        raise _unreadable(shown) from None
+    except (OSError, ValueError) as error:
+        raise UnreadableCheckpointError(shown, f"cannot be examined: {error!r}") from None
     if stat.S_ISDIR(mode) and os.access(path, os.R_OK | os.X_OK):
         return True
     if stat.S_ISREG(mode):
         return False
-    raise _unreadable(shown)
+    raise UnreadableCheckpointError(shown, f"neither a regular file nor a listable directory (mode {mode:o})")
 
 
 def _module_files(path: Path, given: str, name: str, roots: Sequence[Path]) -> list[tuple[Path, str]]:
@@ -163,8 +204,8 @@ def _module_files(path: Path, given: str, name: str, roots: Sequence[Path]) -> l
     except (FileNotFoundError, NotADirectoryError):
         single = f"{name}.safetensors"
         return [(path / single, _shown(os.path.join(given, single)))] if os.path.lexists(path / single) else []
-    except OSError:
-        raise _unreadable(_shown(os.path.join(given, name))) from None
+    except OSError as error:
+        raise UnreadableCheckpointError(_shown(os.path.join(given, name)), f"cannot be listed: {error!r}") from None
     return [(directory / entry, _shown(os.path.join(given, name, entry))) for entry in entries]
 
 
@@ -178,12 +219,12 @@ def _opened(path: Path, roots: Sequence[Path], shown: str) -> Iterator[tuple[int
     resolved = _resolved(path, roots, shown)
     try:
         fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (OSError, ValueError):
-        raise _unreadable(shown) from None
+    except (OSError, ValueError) as error:
+        raise UnreadableCheckpointError(shown, f"cannot be opened: {error!r}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise _unreadable(shown)
+            raise UnreadableCheckpointError(shown, f"not a regular file (mode {info.st_mode:o})")
         yield fd, info.st_size
     finally:
         os.close(fd)
@@ -194,8 +235,8 @@ def _read_exactly(fd: int, buffer: memoryview, offset: int, shown: str) -> None:
     while done < len(buffer):
         try:
             count = os.preadv(fd, [buffer[done:]], offset + done)
-        except OSError:
-            raise _unreadable(shown) from None
+        except OSError as error:
+            raise UnreadableCheckpointError(shown, f"cannot be read: {error!r}") from None
         if count == 0:
             raise _not_safetensors(shown, "it ends before the data its header describes (changed while read?)")
         done += count
@@ -276,14 +317,14 @@ def _read_peft_adapter(
     config_shown = _shown(os.path.join(given, PEFT_CONFIG_FILE))
     with _opened(path / PEFT_CONFIG_FILE, roots, config_shown) as (fd, size):
         if size > MAX_ADAPTER_CONFIG_BYTES:
-            raise WeightUpdateError("model_path", f"{config_shown} is over {MAX_ADAPTER_CONFIG_BYTES} bytes")
+            raise UnreadableCheckpointError(config_shown, f"over {MAX_ADAPTER_CONFIG_BYTES} bytes")
         raw = bytearray(size)
         _read_exactly(fd, memoryview(raw), 0, config_shown)
     try:
         config = json.loads(raw)
         rank, alpha = int(config["r"]), float(config["lora_alpha"])
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-        raise WeightUpdateError("model_path", f"{config_shown} is not a PEFT LoRA config (r, lora_alpha)") from None
+        raise UnreadableCheckpointError(config_shown, "not a PEFT LoRA config (r, lora_alpha)") from None
     what = f"{module} LoRA"
     weights_file = (path / PEFT_WEIGHTS_FILE, _shown(os.path.join(given, PEFT_WEIGHTS_FILE)))
     with _stored_tensors([weights_file], roots, what) as stored:

@@ -6,7 +6,9 @@ error never carries more than a short excerpt of a value: a request may hold meg
 field, and an error that echoes it costs its size again in every log line and response.
 """
 
+import logging
 import reprlib
+import secrets
 
 # A value in a message is a short excerpt: one level of a container, 80 characters of a string.
 _EXCERPT = reprlib.Repr()
@@ -34,6 +36,14 @@ def clip(text: str, limit: int = _MAX_FIELD_CHARS) -> str:
         return text
     half = (limit - 40) // 2  # 40: room for the marker, whose count has up to 12 digits
     return f"{text[:half]}...({len(text) - 2 * half} characters left out)...{text[-half:]}"
+
+
+def logged_failure(error: BaseException, log: logging.Logger, what: str) -> str:
+    """`error` as a client may be told of it: its type and an id. Its text (paths, PIDs, device
+    messages) is logged under that id, with its traceback, for the server's operator only."""
+    error_id = secrets.token_hex(4)
+    log.error("%s failed (error id %s)", what, error_id, exc_info=error)
+    return f"{type(error).__name__} (error id {error_id}; the server log has its message)"
 
 
 class RolloutError(Exception):

@@ -14,7 +14,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
-from rollout.checkpoints import disk_update
+from rollout.checkpoints import UnreadableCheckpointError, disk_update
 from rollout.errors import WeightUpdateError
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs, transition_log_probs
@@ -200,23 +200,38 @@ def test_disk_checkpoints_in_every_layout(pipeline, tmp_path):
     assert served_adapter(pipeline.transformer) is None and checksums(pipeline) == checksums(trained)
 
 
-def test_bad_disk_checkpoints_name_the_cause(pipeline, tmp_path):
+UNREADABLE = (  # the one refusal of every path that cannot be read as a checkpoint
+    "cannot be read as a checkpoint (it is missing, unreadable, outside the allowed weight paths, or not a "
+    "safetensors file, PEFT adapter or pipeline directory; the server log says which)"
+)
+
+
+def unreadable_cause(call) -> str:
+    """The cause of the one refusal `call` raises for a path that cannot be read as a checkpoint."""
+    with pytest.raises(UnreadableCheckpointError) as error:
+        call()
+    assert UNREADABLE in str(error.value) and error.value.cause not in str(error.value)
+    return error.value.cause
+
+
+def test_bad_disk_checkpoints_name_the_cause_in_the_server_log_only(pipeline, tmp_path):
     names = list(pipeline.weight_modules)
     pipeline.save_pretrained(tmp_path / "checkpoint", weights_dtype=torch.float32)
     before = checksums(pipeline)
     (tmp_path / "checkpoint" / "prompt_encoder.safetensors").unlink()
-    with pytest.raises(WeightUpdateError, match=r"no safetensors weights for \['prompt_encoder'\]"):
-        disk_update(tmp_path / "checkpoint", names)
+    cause = unreadable_cause(lambda: disk_update(tmp_path / "checkpoint", names))
+    assert "no safetensors weights for ['prompt_encoder']" in cause
     weights_file = tmp_path / "checkpoint" / "transformer" / "diffusion_pytorch_model.safetensors"
     weights_file.write_bytes(weights_file.read_bytes()[:1000])  # a partial file
-    with pytest.raises(WeightUpdateError, match="is not a safetensors file"):
-        disk_update(tmp_path / "checkpoint", names, target_modules=["transformer"])
-    with pytest.raises(WeightUpdateError, match="does not exist, cannot be read"):
-        disk_update(tmp_path / "nowhere", names)
-    with pytest.raises(WeightUpdateError, match="outside the allowed weight paths"):
-        disk_update(tmp_path / "checkpoint", names, allowed_roots=[tmp_path / "trusted"])
-    with pytest.raises(WeightUpdateError, match="no such modules"):
-        disk_update(tmp_path / "checkpoint", names, target_modules=["vae"])
+    cause = unreadable_cause(lambda: disk_update(tmp_path / "checkpoint", names, target_modules=["transformer"]))
+    assert "not a safetensors file" in cause
+    assert "FileNotFoundError" in unreadable_cause(lambda: disk_update(tmp_path / "nowhere", names))
+    cause = unreadable_cause(lambda: disk_update(tmp_path / "checkpoint", names, allowed_roots=[tmp_path / "trusted"]))
+    assert "outside allowed_weight_paths" in cause
+    # The request's own fields are refused by name, whatever the path.
+    for path in (tmp_path / "checkpoint", tmp_path / "nowhere"):
+        with pytest.raises(WeightUpdateError, match="no such modules"):
+            disk_update(path, names, target_modules=["vae"])
     assert checksums(pipeline) == before
 
 
@@ -261,7 +276,7 @@ def test_a_fifo_is_refused_without_waiting_for_a_writer(pipeline, tmp_path):
     os.mkfifo(fifo)  # opening it for reading waits for a writer, unless opened without blocking
     for path in (tmp_path / "checkpoint", fifo):
         error = refusal_without_a_writer(lambda path=path: disk_update(path, names), fifo)
-        assert "does not exist, cannot be read, or is not a regular file or directory" in str(error)
+        assert UNREADABLE in str(error) and "regular file" in error.cause
 
 
 def test_symlinks_out_of_the_allowed_roots_are_refused_without_naming_their_target(pipeline, tmp_path, monkeypatch):
@@ -276,16 +291,17 @@ def test_symlinks_out_of_the_allowed_roots_are_refused_without_naming_their_targ
     (tmp_path / "trusted/inside.safetensors").symlink_to(tmp_path / "trusted/checkpoint/prompt_encoder.safetensors")
 
     for path in ("trusted/checkpoint", "trusted/passwd.safetensors"):
-        with pytest.raises(WeightUpdateError, match="outside the allowed weight paths") as error:
+        with pytest.raises(UnreadableCheckpointError) as error:
             disk_update(path, names, allowed_roots=["trusted"])
         assert "secret-target" not in str(error.value) and "/etc" not in str(error.value)
+        assert "outside allowed_weight_paths" in error.value.cause
     # Nothing tells an existing path outside the roots from a missing one.
     messages = set()
     for path in ("elsewhere/secret-target", "elsewhere/none"):
         with pytest.raises(WeightUpdateError) as error:
             disk_update(path, names, allowed_roots=["trusted"])
         messages.add(str(error.value).replace(path, "<path>"))
-    assert messages == {"model_path: '<path>' is outside the allowed weight paths (allowed_weight_paths)"}
+    assert len(messages) == 1 and UNREADABLE in messages.pop()
     # A link that stays inside the roots is followed.
     update = disk_update("trusted/inside.safetensors", names, ["prompt_encoder"], allowed_roots=["trusted"])
     assert set(update.state_dicts["prompt_encoder"]) == set(names["prompt_encoder"])
@@ -349,16 +365,14 @@ def _entry(dtype="F32", shape=(2, 2), offsets=(0, 16)):
 )
 def test_a_header_that_does_not_fit_its_file_is_refused(pipeline, tmp_path, header, sizes, cause):
     path = write_safetensors(tmp_path / "weights.safetensors", header, **sizes)
-    with pytest.raises(WeightUpdateError, match="is not a safetensors file") as error:
-        disk_update(path, list(pipeline.weight_modules))
-    assert cause in str(error.value)
+    assert cause in unreadable_cause(lambda: disk_update(path, list(pipeline.weight_modules)))
 
 
 def test_duplicate_names_in_a_header_are_refused(pipeline, tmp_path):
     path = write_safetensors(tmp_path / "weights.safetensors", {"a": _entry()})
     path.write_bytes(path.read_bytes().replace(b'{"a": ', b'{"a": {}, "a": ', 1))
-    with pytest.raises(WeightUpdateError, match="is not a safetensors file: its header is not JSON"):
-        disk_update(path, list(pipeline.weight_modules))
+    cause = unreadable_cause(lambda: disk_update(path, list(pipeline.weight_modules)))
+    assert "not a safetensors file: its header is not JSON" in cause
 
 
 def _non_finite(state_dict, value, dtype=None):
@@ -444,30 +458,47 @@ def test_an_adapter_on_disk_is_checked_from_its_header(pipeline, tmp_path):
         disk_update(adapter, weights_layout(pipeline.weight_modules))
 
 
-def test_refusals_do_not_tell_missing_from_unreadable_paths_nor_name_the_process(pipeline, tmp_path, monkeypatch):
+def test_refusals_do_not_tell_missing_readable_or_directory_paths_apart_nor_name_the_process(
+    pipeline, tmp_path, monkeypatch
+):
+    """Whatever is at a path that cannot be read as a checkpoint, the refusal is the same: with
+    `allowed_weight_paths` empty, anything else would let a client probe the server's disk."""
     monkeypatch.chdir(tmp_path)  # short relative paths: a refusal names them whole
     names = list(pipeline.weight_modules)
     os.mkfifo("fifo")
     os.symlink("loop", "loop")
     with open("file", "wb") as file:
         file.write(b"x")
-    paths = ["missing", "fifo", "loop", "file/below", "/dev/null"]
+    os.makedirs("adapter/adapter_model.safetensors")  # a directory where a file is wanted
+    with open("adapter/adapter_config.json", "w") as config:
+        config.write('{"r": 4, "lora_alpha": 8}')
+    refused = [  # (path, target_modules, allowed_roots)
+        ("missing", None, ()),
+        ("fifo", None, ()),
+        ("loop", None, ()),
+        ("file/below", None, ()),
+        ("/dev/null", None, ()),
+        ("file", None, ()),  # readable, not a safetensors file
+        ("/proc/self/status", None, ()),
+        (".", None, ()),  # a directory without weights
+        ("adapter", None, ()),
+        ("file", ["transformer", "prompt_encoder"], ()),  # two modules for one file
+        ("/proc/self/status", None, ["."]),  # outside the allowed roots
+    ]
     if os.geteuid() != 0:  # root reads a file of mode 000 anyway
         with open("secret", "wb") as file:
             file.write(b"x")
         os.chmod("secret", 0)
-        paths.append("secret")
+        refused.append(("secret", None, ()))
     messages = set()
-    for path in paths:
+    for path, target_modules, allowed_roots in refused:
         with pytest.raises(WeightUpdateError) as error:
-            disk_update(path, names)
-        messages.add(str(error.value).replace(path, "<path>"))
-    assert messages == {"model_path: '<path>' does not exist, cannot be read, or is not a regular file or directory"}
+            disk_update(path, names, target_modules, allowed_roots)
+        messages.add(str(error.value).replace(repr(path), "<path>"))
+    assert messages == {f"model_path: <path> {UNREADABLE}"}
 
-    for path, cause in [("", "is empty"), (".", "has no safetensors weights"), ("/proc/self/status", "too short")]:
-        with pytest.raises(WeightUpdateError, match=cause) as error:
-            disk_update(path, names)
-        assert str(tmp_path) not in str(error.value) and f"/proc/{os.getpid()}" not in str(error.value)
-    with pytest.raises(WeightUpdateError, match="does not exist") as error:
+    with pytest.raises(WeightUpdateError, match="is empty"):
+        disk_update("", names)
+    with pytest.raises(UnreadableCheckpointError) as error:
         disk_update("/" + "x" * 300_000, names)
     assert len(str(error.value)) < 300

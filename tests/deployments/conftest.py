@@ -1,6 +1,7 @@
 """One local Ray cluster and one Serve application for the whole session (a cold start costs
 several seconds here)."""
 
+import logging
 import os
 
 # Ray's switch for a cluster of one machine (named for the platforms where it is the default): the
@@ -64,3 +65,14 @@ def base_url(serve_app):
 def http():
     with requests.Session() as session:
         yield session
+
+
+@pytest.fixture
+def serve_log(caplog):
+    """`caplog`, with the records of the logger the deployments log to (Serve's, which may not
+    propagate to the root logger), from WARNING up."""
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.addHandler(caplog.handler)
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        yield caplog
+    serve_logger.removeHandler(caplog.handler)

@@ -4,12 +4,13 @@ import time
 
 
 class FailingScorer:
-    """Raises on every call: a reward model that is down."""
+    """Raises on every call: a reward model that is down, its message naming a path on the server."""
 
     group_aware = False
+    message = "the reward model at /srv/models/reward.bin is down"
 
     def score(self, samples):
-        raise RuntimeError("the reward model is down")
+        raise RuntimeError(self.message)
 
 
 class SlowInk:

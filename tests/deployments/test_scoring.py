@@ -4,6 +4,7 @@ the same samples, failures named or nulled as the request says, advantages as Fl
 
 import asyncio
 import pickle
+import re
 import time
 from dataclasses import replace
 
@@ -13,6 +14,7 @@ import torch
 
 from deployments.config import RolloutAppConfig
 from deployments.dispatch import Dispatcher
+from deployments.scorer import ScorerReplica
 from deployments.scoring import scoring_samples
 from deployments.work import WorkerResult
 from rollout.advantages import group_advantages
@@ -23,6 +25,7 @@ from rollout.sampler import sample
 from rollout.schema import parse_request
 from rollout.scorers.base import ScoringSample
 from rollout.scorers.registry import build_scorer
+from tests.deployments.scorer_plugins import FailingScorer
 
 SCORERS = {
     "ink": {"kind": "ink"},
@@ -219,3 +222,31 @@ def test_a_scoring_samples_image_crosses_processes_out_of_band():
     assert [buffer.raw().nbytes for buffer in buffers] == [video.nbytes] and len(inline) < 300
     back = pickle.loads(inline, buffers=buffers)
     assert torch.equal(back.image, video) and back.prompt == "a cat" and back.metadata == {"seed": 3}
+
+
+def test_a_scorers_exception_reaches_the_client_as_its_type_and_an_id_the_log_has(pipeline, serve_log):
+    secret = "/home/alice/models/reward.bin (pid 4242)"
+
+    async def fail(call):
+        raise OSError(f"cannot open {secret}")
+
+    asked = dict(prompts=("3",), rollout_reward_models=["broken"])
+    result, _ = rollout(pipeline, plan(**asked), Scorers([], {"broken": fail}), delays=(0.0,))
+    with pytest.raises(ScorerError) as caught:
+        result.batch()
+    error_id = re.search(r"error id ([0-9a-f]+)", str(caught.value)).group(1)
+    assert caught.value.scorer == "broken" and "OSError" in caught.value.reason and secret not in str(caught.value)
+    logged = [r for r in serve_log.records if error_id in r.getMessage()]
+    assert logged and secret in str(logged[0].exc_info[1])
+
+
+def test_a_scorer_replica_tells_its_scorers_exception_by_type_and_id_and_logs_its_text(serve_log):
+    config = {"kind": "tests.deployments.scorer_plugins:FailingScorer", "options": {}, "max_batch_size": 8}
+    replica = ScorerReplica.func_or_class("down", config)
+    with pytest.raises(ScorerError) as caught:
+        replica._scored([])
+    error_id = re.search(r"error id ([0-9a-f]+)", caught.value.reason).group(1)
+    assert caught.value.scorer == "down" and caught.value.reason.startswith("RuntimeError")
+    assert FailingScorer.message not in str(caught.value)
+    logged = [r for r in serve_log.records if error_id in r.getMessage()]
+    assert logged and str(logged[0].exc_info[1]) == FailingScorer.message

@@ -13,6 +13,7 @@ import torch
 from deployments.broadcast import Command, Report
 from deployments.weights import (
     ApplyWeights,
+    DiskSource,
     TensorSource,
     UndoWeights,
     WeightCoordinator,
@@ -128,6 +129,25 @@ def test_a_dead_replica_is_not_waited_for_and_a_new_one_catches_up(ray_cluster):
     assert result.success and result.message == "weights 'v1' served by 1 replica(s)"
     assert set(c.commands.replicas) == {"alive", "newcomer"}
     assert alive.version == newcomer.version == "v1"
+
+
+def test_unreadable_checkpoints_get_one_answer_and_only_the_log_says_why(tmp_path, serve_log):
+    """No Ray: nothing is read, so nothing is put in the object store or broadcast."""
+    (tmp_path / "not-weights.safetensors").write_bytes(b"x")
+    paths = [tmp_path / "missing", tmp_path, tmp_path / "not-weights.safetensors"]
+
+    async def scenario():
+        c = coordinator()
+        await c.register("replica", Liveness(), ["transformer"], "v0")
+        return [await c.update(DiskSource(str(path))) for path in paths]
+
+    results = asyncio.run(scenario())
+    assert not any(result.success for result in results)
+    assert len({result.message.replace(repr(str(path)), "<path>") for result, path in zip(results, paths)}) == 1
+    logged = [record.getMessage() for record in serve_log.records]
+    for cause in ("FileNotFoundError", "no safetensors weights for ['transformer']", "too short"):
+        assert any(cause in line for line in logged), (cause, logged)
+        assert not any(cause in result.message for result in results)
 
 
 def test_an_update_with_no_replica_fails(ray_cluster):
