@@ -8,8 +8,9 @@ a lone part is scored at once, and parts that arrive while it is busy share the 
 sample's score does not depend on its companions (the scorers' own contract), so any grouping
 gives the same bits. If a call of several parts fails, each part is scored alone, so that one
 request's bad sample fails that request only. A scorer's exception is logged here under a short
-id, and its request told only its type and the id: its text may name paths, PIDs or devices. A group-aware scorer takes the same queue one group
-a call: a replica never runs its scorer on two threads at once, whichever kind it is.
+id, and its request told only its type and the id: its text may name paths, PIDs or devices. A
+group-aware scorer takes the same queue one group a call: a replica never runs its scorer on two
+threads at once, whichever kind it is.
 """
 
 from __future__ import annotations
