@@ -22,7 +22,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from deployments.config import RolloutAppConfig
-from deployments.dispatch import ServiceUnavailableError
+from deployments.work import ServiceUnavailableError
 from rollout.codec import from_json, from_msgpack, parse_json, parse_msgpack
 from rollout.errors import FieldError
 

@@ -45,7 +45,7 @@ from deployments.config import RolloutAppConfig
 from deployments.ray_private import object_ref
 from deployments.retries import asked_until_not_lost
 from deployments.scoring import RequestScoring, RewardTimes, Scorers
-from deployments.work import DeadlineExceededError, SamplingWork, WorkerResult, cut_into_work
+from deployments.work import DeadlineExceededError, SamplingWork, ServiceUnavailableError, WorkerResult, cut_into_work
 from rollout.cost import TransformerCost
 from rollout.errors import RolloutError, ScorerError
 from rollout.plan import RolloutPlan
@@ -55,17 +55,6 @@ T = TypeVar("T")
 
 # What a lost worker replica (or a lost ingress, which owned the references) looks like to a caller.
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
-
-
-class ServiceUnavailableError(RolloutError):
-    """The request was not served now, but may be if sent again after `retry_after_s` (HTTP 503)."""
-
-    def __init__(self, message: str, retry_after_s: int = 1):
-        self.retry_after_s = retry_after_s
-        super().__init__(message)
-
-    def __reduce__(self):
-        return type(self), (str(self), self.retry_after_s)
 
 
 class OverloadedError(ServiceUnavailableError):

@@ -25,10 +25,9 @@ from deployments.bodies import (
     BodyTooLargeError,
     TooManyBodiesError,
 )
-from deployments.dispatch import ServiceUnavailableError
 from deployments.memory import MemoryReleasedError
 from deployments.weights import WeightVersionError
-from deployments.work import DeadlineExceededError
+from deployments.work import DeadlineExceededError, ServiceUnavailableError
 from rollout.errors import (
     CodecError,
     InvalidRequestError,

@@ -5,7 +5,8 @@ The ingress imports this module, so it stays light: no model code (the worker's 
   per piece;
 - `WorkerResult` is a worker's answer to one piece: its samples and what their sampler call
   cost; rewards are the request's, not a piece's (`deployments/scoring.py`);
-- `DeadlineExceededError`: a request's deadline passed before it was sampled.
+- `DeadlineExceededError`: a request's deadline passed before it was sampled;
+  `ServiceUnavailableError`: not served now, maybe if sent again (`SamplerOutOfMemoryError`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,22 @@ from rollout.options import SamplingOptions
 from rollout.plan import RolloutPlan
 from rollout.trajectory import RolloutBatch
 from rollout.tree import Branching, TreeRoot, roots_of
+
+
+class ServiceUnavailableError(RolloutError):
+    """The request was not served now, but may be if sent again after `retry_after_s` (HTTP 503)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.retry_after_s)
+
+
+class SamplerOutOfMemoryError(ServiceUnavailableError):
+    """The request's sampler call, alone, ran out of accelerator memory at the sizes it asked for:
+    the request's doing, not the replica's (it does not count toward replacing the replica)."""
 
 
 class DeadlineExceededError(RolloutError):

@@ -18,7 +18,7 @@ from deployments.broadcast import Follower
 from deployments.config import RolloutAppConfig
 from deployments.memory import MemoryOccupation
 from deployments.weights import ServedWeights
-from deployments.work import SamplingWork, WorkerResult
+from deployments.work import SamplerOutOfMemoryError, SamplingWork, WorkerResult
 from rollout.calibration import CALIBRATION_PROMPT, CALIBRATION_STEPS, UNGUIDED, require_batch_invariance
 from rollout.cost import transformer_cost
 from rollout.errors import NonFiniteOutputError, RolloutError
@@ -191,6 +191,14 @@ class RolloutWorker:
                 logger.warning("a sampler call of %d requests failed (%r); sampling each alone", len(group), error)
                 for i, work in zip(servable, group):
                     (results[i],) = self._sample_group([work])
+                return results
+            if isinstance(error, torch.cuda.OutOfMemoryError):  # at the sizes this request asked for, alone
+                logger.warning("a request of %d samples ran out of accelerator memory", len(group[0]))
+                torch.cuda.empty_cache()
+                results[servable[0]] = SamplerOutOfMemoryError(
+                    "this request's sampler call ran out of accelerator memory: send it again later, or ask for "
+                    "fewer samples or a smaller size"
+                )
                 return results
             logger.exception("sampling failed for a request of %d samples", len(group[0]))
             results[servable[0]] = error

@@ -12,9 +12,11 @@ from urllib.parse import urlparse
 import pytest
 import ray
 import requests
+import torch
 from ray import serve
 
 from deployments.weights import ObjectStoreTensors
+from deployments.work import ServiceUnavailableError
 from rollout.errors import NonFiniteOutputError, WeightUpdateError
 from rollout.models.registry import load_pipeline
 from tests.deployments.apps import deploy
@@ -95,6 +97,31 @@ def test_requests_that_raise_inside_the_sampler_leave_the_replica_serving_and_th
         time.sleep(1.5)  # three of Serve's health checks
         assert http.get(f"{one_worker.url}/health").status_code == 200
         assert pids(one_worker.name, "RolloutWorker") == [replica]
+    finally:
+        on_replicas(one_worker.name, "RolloutWorker", lambda worker: vars(worker.pipeline).pop("encode_prompts") and None)
+
+
+def test_a_request_out_of_memory_is_told_to_come_back_and_does_not_count_against_the_replica(one_worker, http):
+    def out_of_memory_on_an_eight(worker):
+        encode = worker.pipeline.encode_prompts
+
+        def encode_unless_eight(prompts, *args, **kwargs):
+            if "8" in prompts:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB on device 3")
+            return encode(prompts, *args, **kwargs)
+
+        worker.pipeline.encode_prompts = encode_unless_eight
+
+    on_replicas(one_worker.name, "RolloutWorker", out_of_memory_on_an_eight)
+    try:
+        for seed in range(4):  # more than BROKEN_AFTER_FAILED_CALLS
+            response = http.post(f"{one_worker.url}/rollout/generate", json={**request_body(8, samples=1), "seed": seed})
+            assert response.status_code == 503 and response.headers["Retry-After"] == "1", response.text
+            assert "ran out of accelerator memory" in response.json()["error"]["message"] and "GiB" not in response.text
+        with pytest.raises(ServiceUnavailableError, match="ran out of accelerator memory"):
+            one_worker.handle.generate.remote(request_body(8, samples=1)).result().batch()
+        assert on_replicas(one_worker.name, "RolloutWorker", lambda worker: worker._failed_calls_in_a_row) == [0]
+        assert http.post(f"{one_worker.url}/rollout/generate", json=request_body(1)).status_code == 200
     finally:
         on_replicas(one_worker.name, "RolloutWorker", lambda worker: vars(worker.pipeline).pop("encode_prompts") and None)
 
