@@ -146,10 +146,9 @@ class RolloutResult:
         """Every part, in order, its samples scored when the request asked for rewards
         (`deployments/scoring.py`); `timeout_s` bounds the whole fetch (`FetchTimeoutError`).
         Fetching again after a failure re-uses the parts sampled: nothing is sampled twice."""
-        fetches = [self._fetched(part, work) for part, work in zip(self.parts, self.works)]
         if self.scoring is None:
-            return FetchedRollout(await self._in_time(_gathered(fetches), timeout_s))
-        scored = self.scoring.scored(fetches, [len(work) for work in self.works])
+            return await self._fetched_unscored(timeout_s)
+        scored = self.scoring.scored(self._fetches(), [len(work) for work in self.works])
         parts, reward_times = await self._in_time(scored, timeout_s)
         return FetchedRollout(parts, reward_times)
 
@@ -161,8 +160,7 @@ class RolloutResult:
         (`rollout.cost`: each part charged its own rows, padded as if alone in its call). Fetches
         the parts without scoring them (after `batch()`, from this node's object store), within
         `timeout_s` as `fetch` does."""
-        fetches = [self._fetched(part, work) for part, work in zip(self.parts, self.works)]
-        return FetchedRollout(await self._in_time(_gathered(fetches), timeout_s)).cost()
+        return (await self._fetched_unscored(timeout_s)).cost()
 
     def fetch(self, timeout_s: float | None = None) -> FetchedRollout:
         return run_on_dispatch_loop(self.fetch_async(timeout_s))
@@ -176,6 +174,13 @@ class RolloutResult:
     def cancel(self) -> None:
         for part in self.parts:
             self.workers.cancel(part)
+
+    async def _fetched_unscored(self, timeout_s: float | None) -> FetchedRollout:
+        return FetchedRollout(await self._in_time(_gathered(self._fetches()), timeout_s))
+
+    def _fetches(self) -> list[Awaitable[WorkerResult]]:
+        """Each part's fetch, in request order."""
+        return [self._fetched(part, work) for part, work in zip(self.parts, self.works)]
 
     async def _fetched(self, part: Any, work: SamplingWork) -> WorkerResult:
         async def attempt(number: int) -> WorkerResult:

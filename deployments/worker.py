@@ -25,8 +25,8 @@ from rollout.errors import NonFiniteOutputError, RolloutError
 from rollout.kernels import BatchInvariance
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
-from rollout.plan import checked_against_model
 from rollout.options import SamplingOptions
+from rollout.plan import checked_against_model
 from rollout.sampler import SamplerCall, micro_batch_size, sample, sample_tree
 from rollout.transitions import TransitionKind
 from rollout.weights import weights_layout
