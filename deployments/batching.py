@@ -24,6 +24,12 @@ Each work says how many other samples the ingress that sent it had in flight the
   starts almost at once, and a burst's requests, which arrive milliseconds apart, still meet.
 A work that says nothing (not sent by an ingress) is waited for as in the first case.
 
+A call need not run to its end for nothing: it is given `abandoned`, which says, from the thread
+that runs it, which of its works no one waits for any more (the request cancelled: over HTTP its
+client went away, through the handle `RolloutResult.cancel()`; its deadline passed; the replica
+stopping). A sampler asks it before every step and drops those works' samples there
+(`rollout.sampler.sample_tree`), so a call whose every work is abandoned ends at the next step.
+
 Any grouping is safe: the sampler is batch invariant (fixed-size micro-batches, per-sample
 generators), so a sample's bits do not depend on which requests it was sampled with, and a
 sample's score does not depend on its companions (the scorers' own contract). With
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -53,6 +59,10 @@ class QueuedWork(Protocol):
 
 W = TypeVar("W", bound=QueuedWork)
 
+# Which works of a running call (indices into it) no one waits for any more; safe to call from the
+# thread that runs the call.
+Abandoned = Callable[[], Collection[int]]
+
 
 @dataclass
 class _Waiting(Generic[W]):
@@ -64,7 +74,8 @@ class BatchingQueue(Generic[W]):
     """Runs `run_group` on groups of works with equal `group_of`, one group at a time.
 
     Args:
-        run_group: runs a group of works in one call; one result (or exception) per work.
+        run_group: runs a group of works in one call, told which are abandoned meanwhile (`Abandoned`);
+            one result (or exception) per work.
         max_samples: most samples per group; 0: one work a call.
         group_of: what works must share to share a call; by default, nothing.
         micro_batch_size: for a sampler, samples per transformer call of a group
@@ -78,7 +89,7 @@ class BatchingQueue(Generic[W]):
 
     def __init__(
         self,
-        run_group: Callable[[list[W]], Awaitable[list[Any]]],
+        run_group: Callable[[list[W], Abandoned], Awaitable[list[Any]]],
         max_samples: int,
         group_of: Callable[[W], Hashable] = lambda work: None,
         micro_batch_size: Callable[[Any], int] | None = None,
@@ -95,6 +106,7 @@ class BatchingQueue(Generic[W]):
         self._waiting: list[_Waiting] = []
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     async def submit(self, work: W) -> Any:
         """The work's result, once a call has run it; raises what that call raised for it."""
@@ -107,8 +119,24 @@ class BatchingQueue(Generic[W]):
         return await waiting.result
 
     def stop(self) -> None:
+        """Stops taking work; the call running is told that every work of it is abandoned."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
+
+    def _abandoned_in(self, group: list[_Waiting]) -> Abandoned:
+        def abandoned() -> set[int]:
+            # Runs on the call's thread: a future's state is one attribute, read without the loop.
+            if self._stopping:
+                return set(range(len(group)))
+            now = time.time()
+            return {
+                i
+                for i, waiting in enumerate(group)
+                if waiting.result.done() or (waiting.work.deadline is not None and waiting.work.deadline < now)
+            }
+
+        return abandoned
 
     def _fills_its_micro_batches(self) -> bool:
         """Whether the group the sampler would take now leaves no row of a micro-batch empty."""
@@ -153,7 +181,7 @@ class BatchingQueue(Generic[W]):
                 continue
             idle = False
             try:
-                results = await self._run_group([w.work for w in group])
+                results = await self._run_group([w.work for w in group], self._abandoned_in(group))
             except Exception as error:  # the group's requests fail; the queue goes on
                 results = [error] * len(group)
             for waiting, result in zip(group, results):

@@ -50,7 +50,10 @@ class ScorerReplica:
         self.name = name
         self.scorer = build_scorer(config["kind"], config["options"])
         # A group-aware scorer's calls are its groups, never joined.
-        self._queue = BatchingQueue(self._score_group, 0 if self.scorer.group_aware else config["max_batch_size"])
+        # A scorer's call cannot stop midway: what is abandoned while it scores is scored anyway.
+        self._queue = BatchingQueue(
+            lambda works, abandoned: self._score_group(works), 0 if self.scorer.group_aware else config["max_batch_size"]
+        )
 
     def __del__(self):
         if hasattr(self, "_queue"):  # Serve calls this after an __init__ that raised too

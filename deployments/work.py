@@ -114,7 +114,8 @@ class WorkerResult:
     Attributes:
         batch: the work's samples, all referring to one schedule object (their rewards set once
             the request is scored).
-        sampler_batch_size: samples (a tree's leaves) in the sampler call that produced them (shows batching).
+        sampler_batch_size: samples (a tree's leaves) the sampler call that produced them took (shows
+            batching), those it dropped midway included (`deployments/batching.py`).
         transformer_rows: rows the transformer computed in that call, other requests' work in it and
             its padding included: once per node and step for trees (`rollout.tree`), and for
             unbranched samples the padding is what exceeds `sampler_batch_size` times the steps.

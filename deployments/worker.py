@@ -13,15 +13,21 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.batching import BatchingQueue
+from deployments.batching import Abandoned, BatchingQueue
 from deployments.broadcast import Follower
 from deployments.config import RolloutAppConfig
 from deployments.memory import MemoryOccupation
 from deployments.weights import ServedWeights
-from deployments.work import SamplerOutOfMemoryError, SamplingWork, WorkerResult
+from deployments.work import (
+    DeadlineExceededError,
+    SamplerOutOfMemoryError,
+    SamplingWork,
+    ServiceUnavailableError,
+    WorkerResult,
+)
 from rollout.calibration import CALIBRATION_PROMPT, CALIBRATION_STEPS, UNGUIDED, require_batch_invariance
 from rollout.cost import transformer_cost
-from rollout.errors import NonFiniteOutputError, RolloutError
+from rollout.errors import NonFiniteOutputError, RolloutError, SamplingAbandoned
 from rollout.kernels import BatchInvariance
 from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
@@ -43,6 +49,14 @@ def _sample_measured(pipeline: RolloutPipeline, *args, **kwargs) -> tuple[Sample
     torch.cuda.reset_peak_memory_stats(device)
     call = sample_tree(pipeline, *args, **kwargs)
     return call, torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def _abandoned_error(work: SamplingWork) -> RolloutError:
+    """What a work dropped from its sampler call answers, should anyone still read it: a request
+    cancelled is not, so this is read past a deadline, or when the replica stops."""
+    if work.deadline is not None and work.deadline < time.time():
+        return DeadlineExceededError("the request's deadline passed while it was being sampled")
+    return ServiceUnavailableError("the worker replica stopped sampling this request; send it again")
 
 
 @serve.deployment
@@ -160,11 +174,12 @@ class RolloutWorker:
         )
         return await self._queue.submit(dataclasses.replace(work, options=options))
 
-    async def _sample_on_thread(self, works: list[SamplingWork]) -> list[WorkerResult | Exception]:
-        return await self._on_sampling_thread(self._sample_group, works)
+    async def _sample_on_thread(self, works: list[SamplingWork], abandoned: Abandoned) -> list[WorkerResult | Exception]:
+        return await self._on_sampling_thread(self._sample_group, works, abandoned)
 
-    def _sample_group(self, works: list[SamplingWork]) -> list[WorkerResult | Exception]:
-        """On the sampling thread: the works this replica can serve now, in one sampler call.
+    def _sample_group(self, works: list[SamplingWork], abandoned: Abandoned) -> list[WorkerResult | Exception]:
+        """On the sampling thread: the works this replica can serve now, in one sampler call, which
+        drops the works `abandoned` names between its steps (`deployments/batching.py`).
 
         Weight commands run on this thread too, so the version checked here is the one sampled.
         """
@@ -180,17 +195,28 @@ class RolloutWorker:
         if not servable:
             return results
         group = [works[i] for i in servable]
+        roots_of_work = [work.roots() for work in group]
+        work_of_root = [j for j, roots in enumerate(roots_of_work) for _ in roots]
+
+        def abandoned_roots() -> set[int]:
+            gone = abandoned()
+            return {r for r, j in enumerate(work_of_root) if servable[j] in gone}
+
         start = time.perf_counter()
         try:
-            roots = [root for work in group for root in work.roots()]  # a branched request's and others', together
+            roots = [root for roots in roots_of_work for root in roots]  # a branched request's and others', together
             call, peak_memory_mb = _sample_measured(
-                self.pipeline, roots, group[0].options, weight_version=self.weights.version
+                self.pipeline, roots, group[0].options, weight_version=self.weights.version, abandoned=abandoned_roots
             )
+        except SamplingAbandoned:
+            for i, work in zip(servable, group):
+                results[i] = _abandoned_error(work)
+            return results
         except Exception as error:
             if len(group) > 1:  # one request's failure must not fail its companions: each again alone
                 logger.warning("a sampler call of %d requests failed (%r); sampling each alone", len(group), error)
                 for i, work in zip(servable, group):
-                    (results[i],) = self._sample_group([work])
+                    (results[i],) = self._sample_group([work], lambda i=i: {0} if i in abandoned() else set())
                 return results
             if isinstance(error, torch.cuda.OutOfMemoryError):  # at the sizes this request asked for, alone
                 logger.warning("a request of %d samples ran out of accelerator memory", len(group[0]))
@@ -208,7 +234,12 @@ class RolloutWorker:
             return results
         elapsed = time.perf_counter() - start
         offset = 0
-        for i, work in zip(servable, group):
+        served = []
+        for j, (i, work) in enumerate(zip(servable, group)):
+            if work_of_root.index(j) in call.abandoned_roots:  # its roots left the call together
+                results[i] = _abandoned_error(work)
+                continue
+            served.append(i)
             part = call.batch.subset(range(offset, offset + len(work)))
             offset += len(work)
             try:  # each request on its own: NaN in one request's samples does not fail the others
@@ -219,7 +250,7 @@ class RolloutWorker:
                 continue
             results[i] = WorkerResult(
                 part,
-                len(call.batch.samples),
+                sum(len(work) for work in group),
                 call.transformer_rows,
                 elapsed,
                 peak_memory_mb,
@@ -227,6 +258,6 @@ class RolloutWorker:
                 self.node_id,
                 cost=transformer_cost(self.pipeline, work.roots(), work.options),
             )
-        served_nothing = all(isinstance(results[i], NonFiniteOutputError) for i in servable)
+        served_nothing = all(isinstance(results[i], NonFiniteOutputError) for i in served)
         self._failed_calls_in_a_row = self._failed_calls_in_a_row + 1 if served_nothing else 0
         return results

@@ -113,6 +113,11 @@ class CodecError(RolloutError, ValueError):
     """A tensor envelope is malformed or does not match its declared shape or dtype."""
 
 
+class SamplingAbandoned(RolloutError):
+    """A sampler call stopped between steps: no one waited for any of its samples any more
+    (`rollout.sampler.sample_tree`'s `abandoned`)."""
+
+
 class NonFiniteOutputError(RolloutError):
     """Sampling produced NaN or infinite values: the request fails rather than return them as a rollout."""
 

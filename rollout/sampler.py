@@ -22,13 +22,14 @@ Device memory grows with the micro-batch, host memory with what is kept, once.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from rollout.conditioning import BucketedConditioning, Conditioning, ConditioningBucket
-from rollout.errors import InvalidRequestError
+from rollout.errors import InvalidRequestError, SamplingAbandoned
 from rollout.kernels import zero_padded
 from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions, check_seed
@@ -148,10 +149,18 @@ class SamplerCall:
         transformer_rows: rows the transformer computed: every step's calls, each padded to the
             micro-batch within its conditioning bucket. Against the samples times the steps, the
             rest is padding. (Classifier-free guidance doubles each call's rows inside the model.)
+        abandoned_roots: the roots dropped during the call because no one waited for them any
+            more; `batch` holds the leaves of the others.
     """
 
     batch: RolloutBatch
     transformer_rows: int
+    abandoned_roots: frozenset[int] = frozenset()
+
+
+# The roots (indices into a call's roots) whose leaves no one waits for any more: asked before
+# every step (`sample_tree`'s `abandoned`).
+AbandonedRoots = Callable[[], Collection[int]]
 
 
 def sample(
@@ -257,12 +266,18 @@ class _TreeRun:
     noise_stds: torch.Tensor | None
     epochs: list[_Epoch]
 
-    def start_epoch(self, first_step: int, nodes: list[_Node], parent: torch.Tensor | None) -> _Epoch:
+    def start_epoch(self, first_step: int, nodes: list[_Node], parent: torch.Tensor | None, after_branch: bool) -> _Epoch:
         """A new epoch from `first_step` to the next branch step (or the last step), with a buffer
-        row per node for what it keeps; it becomes the last of `epochs`."""
+        row per node for what it keeps; it becomes the last of `epochs`. An epoch started by the
+        branch at `first_step` (`after_branch`) runs to the branch step after it; one started
+        before `first_step`'s velocity (the first, or one that drops abandoned roots) ends at a
+        branch at `first_step` itself, with no transition of its own."""
         # x_0 is the first epoch's alone: an epoch that starts at a branch at step 0 also has
         # first_step 0, and keeps only the latents after its transitions, as every later one does.
-        end = [*self.branch_steps, self.options.num_inference_steps][len(self.epochs)]
+        end = min(
+            (step for step in self.branch_steps if step > first_step or (step == first_step and not after_branch)),
+            default=self.options.num_inference_steps,
+        )
         first_epoch = not self.epochs
         latent_steps = [step for step in self.kept_steps if first_step < step <= end or (step == 0 and first_epoch)]
         rows, steps = len(nodes), end - first_step
@@ -281,6 +296,18 @@ class _TreeRun:
         self.epochs.append(epoch)
         return epoch
 
+    def end_epoch_at(self, step: int) -> None:
+        """Cuts the last epoch's buffers back to what it kept before `step`'s transition: it ends
+        there, before the end it was started for (the next epoch drops abandoned roots)."""
+        epoch = self.epochs[-1]
+        kept = [latent_step for latent_step in epoch.latent_steps if latent_step <= step]
+        transitions = step - epoch.first_step
+        epoch.latent_steps = kept
+        epoch.latents = epoch.latents[:, : len(kept)]
+        epoch.log_probs = epoch.log_probs[:, :transitions]
+        if epoch.debug is not None:
+            epoch.debug = tuple(buffer[:, :transitions] for buffer in epoch.debug)
+
 
 @torch.no_grad()
 def sample_tree(
@@ -288,6 +315,7 @@ def sample_tree(
     roots: Sequence[TreeRoot],
     options: SamplingOptions,
     weight_version: str | None = None,
+    abandoned: AbandonedRoots | None = None,
 ) -> SamplerCall:
     """Grows every root into its leaves and records each leaf's exact trajectory (`rollout.tree`).
 
@@ -299,15 +327,22 @@ def sample_tree(
        nodes branching at each branch step;
     3. decode, and assemble each leaf's trajectory from its rows of every epoch.
 
+    `abandoned`, when given, is asked before every step and before decoding which roots no one
+    waits for any more (a request cancelled, or past its deadline): their nodes leave the batch
+    there, so the transformer no longer runs on them. Batch invariance keeps every other leaf's
+    bits what they would have been; once every root is abandoned the call stops with
+    `SamplingAbandoned`.
+
     Returns:
         The leaves, root after root, each root's in the order of its `paths` (leaf number order by
-        default), and the transformer rows computed.
+        default), of every root not abandoned; the transformer rows computed; the roots abandoned.
     """
     run = _prepare(pipeline, roots, options)
-    x_t, transformer_rows = _denoise(pipeline, run)
+    x_t, transformer_rows = _denoise(pipeline, run, abandoned or frozenset)
     samples = _decoded_leaves(pipeline, run, x_t, weight_version)
     batch = RolloutBatch(schedule=run.schedule, options=run.options, model=pipeline.name, samples=samples)
-    return SamplerCall(batch, transformer_rows=transformer_rows)
+    live_roots = {node.root for node in run.epochs[-1].nodes}
+    return SamplerCall(batch, transformer_rows, frozenset(range(len(roots))) - live_roots)
 
 
 def _prepare(pipeline: RolloutPipeline, roots: Sequence[TreeRoot], options: SamplingOptions) -> _TreeRun:
@@ -345,29 +380,38 @@ def _prepare(pipeline: RolloutPipeline, roots: Sequence[TreeRoot], options: Samp
     )
 
 
-def _denoise(pipeline: RolloutPipeline, run: _TreeRun) -> tuple[torch.Tensor, int]:
+def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots) -> tuple[torch.Tensor, int]:
     """Stage 2: every root from its initial noise to its last step, its nodes branching at the
-    branch steps; returns the final latents of the last epoch's rows and the transformer rows run.
+    branch steps and leaving where their root is abandoned; returns the final latents of the last
+    epoch's rows and the transformer rows run.
 
     Everything kept is written once, in place, into one buffer per tensor and epoch; with no
-    branch step there is one epoch, and the samples are views of its buffers."""
+    branch step (and no root abandoned) there is one epoch, and the samples are views of its buffers."""
     options, device = run.options, run.device
     nodes = [
         _Node(r, (), run.root_paths[r], torch.Generator(device="cpu").manual_seed(root.seed))
         for r, root in enumerate(run.roots)
     ]
-    epoch = run.start_epoch(0, nodes, None)
+    epoch = run.start_epoch(0, nodes, None, after_branch=False)
     padded_conditioning = pad_buckets(pipeline, run.conditioning, options)
     transformer_rows = 0
     x_t = _draw_noise([node.generator for node in nodes], run.latent_shape, device)
     _keep(epoch, 0, x_t)
-    for step in range(options.num_inference_steps):
+    for step in range(options.num_inference_steps + 1):
+        if kept := _rows_still_wanted(epoch.nodes, abandoned()):
+            run.end_epoch_at(step)
+            nodes = [epoch.nodes[row] for row in kept]
+            epoch = run.start_epoch(step, nodes, torch.tensor(kept, dtype=torch.int64), after_branch=False)
+            x_t = x_t[torch.tensor(kept, device=x_t.device)]
+            padded_conditioning = pad_buckets(pipeline, run.conditioning.select([node.root for node in nodes]), options)
+        if step == options.num_inference_steps:  # the check before decoding
+            break
         timestep, expert = run.schedule.model_timesteps[step], run.schedule.expert_at(step)
         v = predict_velocity(pipeline, x_t, timestep, padded_conditioning, options, expert)
         transformer_rows += sum(len(bucket.conditioning) for bucket in padded_conditioning.buckets)
         if step in run.branch_steps:  # the velocity was computed once per node; its children share it
             nodes, parent = _branch(run.roots, epoch.nodes, step)
-            epoch = run.start_epoch(step, nodes, parent)
+            epoch = run.start_epoch(step, nodes, parent, after_branch=True)
             x_t, v = x_t[parent.to(x_t.device)], v[parent.to(v.device)]
             padded_conditioning = pad_buckets(pipeline, run.conditioning.select([node.root for node in nodes]), options)
         kind = options.transition_at(step)
@@ -390,6 +434,17 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun) -> tuple[torch.Tensor, in
         if options.debug:
             _keep_debug(run, epoch, step, v, transition, noise)
     return x_t, transformer_rows
+
+
+def _rows_still_wanted(nodes: list[_Node], abandoned_roots: Collection[int]) -> list[int] | None:
+    """The rows of `nodes` whose root is not abandoned, where some are (None where none is); raises
+    `SamplingAbandoned` where every one is."""
+    if not abandoned_roots:
+        return None
+    kept = [row for row, node in enumerate(nodes) if node.root not in abandoned_roots]
+    if not kept:
+        raise SamplingAbandoned("no one waits for any sample of this call any more")
+    return kept if len(kept) < len(nodes) else None
 
 
 def _keep_debug(
@@ -423,6 +478,8 @@ def _decoded_leaves(
     samples = []
     for r, paths in enumerate(run.root_paths):
         root = run.roots[r]
+        if (r, paths[0]) not in row_of:  # abandoned
+            continue
         for path in paths:
             row = row_of[(r, path)]
             rows = rows_of_leaf[row]

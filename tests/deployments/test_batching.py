@@ -1,6 +1,8 @@
 """The replicas' queue (`deployments/batching.py`), without Ray: which works share a sampler call."""
 
 import asyncio
+import time
+from dataclasses import replace
 
 import pytest
 
@@ -24,7 +26,7 @@ class Sampler:
         self.seconds = seconds
         self.fail_steps = fail_steps
 
-    async def __call__(self, works):
+    async def __call__(self, works, abandoned):
         self.calls.append(works)
         await asyncio.sleep(self.seconds)
         if works[0].options.num_inference_steps == self.fail_steps:
@@ -113,6 +115,34 @@ def test_a_cancelled_request_is_not_sampled():
         return sampler.sizes()
 
     assert run(scenario()) == [1, 3]
+
+
+def test_a_running_call_is_told_which_of_its_works_no_one_waits_for_any_more():
+    seen, asked = [], []
+
+    async def sampler(works, abandoned):
+        asked.append(abandoned)
+        seen.append(sorted(abandoned()))
+        while len(seen) < 50 and len(seen[-1]) < 2:
+            await asyncio.sleep(0.01)
+            seen.append(sorted(abandoned()))
+        return ["sampled"] * len(works)
+
+    async def scenario():
+        queue = BatchingQueue(sampler, 8)
+        cancelled = asyncio.create_task(queue.submit(work(1)))
+        kept = asyncio.create_task(queue.submit(work(1)))
+        expiring = asyncio.create_task(queue.submit(replace(work(1), deadline=time.time() + 0.1)))
+        await asyncio.sleep(0.03)
+        cancelled.cancel()
+        assert await expiring == "sampled"  # what an abandoned work answers is the sampler's to say
+        assert await kept == "sampled"
+        queue.stop()
+        return sorted(asked[0]())
+
+    abandoned_after_stop = run(scenario())
+    assert seen[0] == [] and [0] in seen and seen[-1] == [0, 2]  # cancelled, then past its deadline too
+    assert abandoned_after_stop == [0, 1, 2]  # the replica stopping: every work
 
 
 def test_an_idle_sampler_waits_to_fill_its_micro_batch_not_longer():

@@ -186,47 +186,94 @@ def test_weights_too_large_to_sample_with_make_the_replica_unhealthy_until_repla
     assert http.post(f"{one_worker.url}/rollout/generate", json=request_body(1)).status_code == 200
 
 
-def test_a_client_that_goes_away_cancels_its_queued_work(one_worker, http):
-    def count_transformer_calls(worker):  # nested: Ray pickles it by value into the replica
+STEP_S = 0.05  # how long each of the worker's model calls takes in the cancellation tests
+
+
+def _slowed_and_counted():
+    """Makes the worker's model calls counted, each taking `STEP_S` more: a step is long enough to
+    tell a call that stopped at the next step from one that ran on. (A function made here, not a
+    module's: Ray pickles it by value into the replica.)"""
+
+    def slow(worker):
         velocity = worker.pipeline.predict_velocity
 
         def counted(*args, **kwargs):
             counted.calls += 1
+            time.sleep(STEP_S)
             return velocity(*args, **kwargs)
 
         counted.calls = 0
         worker.pipeline.predict_velocity = counted
 
-    on_replicas(one_worker.name, "RolloutWorker", count_transformer_calls)
+    return slow
 
-    def transformer_calls() -> int:
-        (calls,) = on_replicas(one_worker.name, "RolloutWorker", lambda worker: worker.pipeline.predict_velocity.calls)
-        return calls
 
+def _model_calls(app) -> int:
+    (calls,) = on_replicas(app.name, "RolloutWorker", lambda worker: worker.pipeline.predict_velocity.calls)
+    return calls
+
+
+def _model_calls_once_idle(app, idle_s: float = 1.0) -> int:
+    calls, settled_at = _model_calls(app), time.monotonic()
+    while time.monotonic() - settled_at < idle_s:  # until the worker has made no model call for a while
+        time.sleep(0.1)
+        if (now := _model_calls(app)) != calls:
+            calls, settled_at = now, time.monotonic()
+    return calls
+
+
+LONG = {**request_body(3, samples=1), "num_inference_steps": 50, "rollout_debug_mode": False}  # the app's most
+
+
+def test_a_client_that_goes_away_stops_its_sampler_call_and_its_queued_work(one_worker, http):
+    """Six sampler calls of two samples, 50 steps each (300 model calls of the embedded model's one
+    micro-batch): the client waits out ten steps and goes; the running call stops at a step soon
+    after (Serve cancels the ingress, the ingress its parts, the worker's queue tells the sampler),
+    and the queued calls never run."""
+    on_replicas(one_worker.name, "RolloutWorker", _slowed_and_counted())
     try:
-        body = {**request_body(3, samples=2), "num_inference_steps": 30, "rollout_debug_mode": False}
-        start = time.monotonic()
-        assert http.post(f"{one_worker.url}/rollout/generate", json=body).status_code == 200
-        one_call_s = time.monotonic() - start  # a sampler call of two samples, and the way there and back
-        per_sampler_call = transformer_calls()
-
-        # Twelve samples are six sampler calls of two. The client waits out about one and goes.
         url = urlparse(one_worker.url)
-        connection = HTTPConnection(url.hostname, url.port, timeout=1.5 * one_call_s)
-        twelve = {**body, "prompt": ["3", "4", "5"], "num_outputs_per_prompt": 4}
+        connection = HTTPConnection(url.hostname, url.port, timeout=10 * STEP_S)
+        twelve = {**LONG, "prompt": ["3", "4", "5"], "num_outputs_per_prompt": 4}
         connection.request("POST", f"{url.path}/rollout/generate", json.dumps(twelve), {"Content-Type": "application/json"})
         with pytest.raises(TimeoutError):
             connection.getresponse()
         connection.close()
+        gone_at = _model_calls(one_worker)
+        calls = _model_calls_once_idle(one_worker)
+        assert calls < 50, f"{calls} model calls: the call running when the client left ran on (gone at {gone_at})"
+    finally:
+        on_replicas(one_worker.name, "RolloutWorker", lambda worker: vars(worker.pipeline).pop("predict_velocity"))
 
-        calls, settled_at = transformer_calls(), time.monotonic()
-        while time.monotonic() - settled_at < 2 * one_call_s:  # until the worker has been idle a while
-            time.sleep(0.1)
-            if (now := transformer_calls()) != calls:
-                calls, settled_at = now, time.monotonic()
-        # The sampler call running when the client left finished (maybe the next had started);
-        # the rest never ran.
-        assert calls - per_sampler_call <= 3 * per_sampler_call  # of the six
+
+def test_a_cancelled_request_leaves_its_sampler_call_and_its_companion_keeps_its_bits(one_worker):
+    """Through the handle: two one-sample requests share a sampler call (the worker's batch is two);
+    one is cancelled after a few steps. Its sample leaves the call; the other's bits are those it
+    has sampled alone. Cancelled alone, a request's call stops at a step soon after."""
+    handle = one_worker.handle
+    companion = {**LONG, "prompt": "4", "seed": 7}
+    alone = handle.generate.remote(companion).result().fetch()
+    on_replicas(one_worker.name, "RolloutWorker", _slowed_and_counted())
+    try:
+        # A request of 20 steps keeps the worker busy while the two arrive: it takes both next.
+        busy = handle.generate.remote({**LONG, "num_inference_steps": 20}).result()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            doomed, kept = pool.map(lambda body: handle.generate.remote(body).result(), [LONG, companion])
+        busy.fetch()
+        wait_until(lambda: _model_calls(one_worker) >= 20 + 5, "the shared call sampling", timeout_s=60)
+        doomed.cancel()
+        together = kept.fetch()
+        assert together.parts[0].sampler_batch_size == 2  # they shared the call
+        for leaf, reference in zip(together.batch().samples, alone.batch().samples):
+            for name, tensor in leaf.tensors().items():
+                assert torch.equal(tensor, reference.tensors()[name]), name
+        calls_before = _model_calls_once_idle(one_worker)
+        assert calls_before == 20 + 50  # the call ran on for its companion, one model call a step
+
+        lone = handle.generate.remote({**LONG, "seed": 11}).result()
+        wait_until(lambda: _model_calls(one_worker) >= calls_before + 5, "the lone call sampling", timeout_s=60)
+        lone.cancel()
+        assert _model_calls_once_idle(one_worker) - calls_before < 25
     finally:
         on_replicas(one_worker.name, "RolloutWorker", lambda worker: vars(worker.pipeline).pop("predict_velocity"))
 
