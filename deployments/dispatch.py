@@ -17,12 +17,15 @@ tests), so it is tested without Serve, as `deployments/batching.py` is:
 - score: a request that asks for rewards has each part scored as soon as it is fetched
   (`deployments/scoring.py`);
 - cancel: interrupted over HTTP (the client went away, the deadline passed, the server is
-  stopping), the parts still queued on the workers are cancelled;
+  stopping), or through the handle (`RolloutResult.cancel()`), the request's parts are cancelled:
+  those still queued on the workers are dropped, and those being sampled leave their sampler call
+  at its next step (`deployments/batching.py`);
 - deadline: past `rollout_timeout_s` (or the app's `request_timeout_s`) nothing of the request
   is sampled any more, over HTTP and through the handle alike: a request still being sent fails
-  with `DeadlineExceededError` (`within_deadline`), and the workers refuse its work still queued
-  so. Over HTTP the ingress also answers by then; through the handle, parts sampled in time are
-  the trainer's whenever it fetches them (`timeout_s` bounds its wait).
+  with `DeadlineExceededError` (`within_deadline`), the workers refuse its work still queued so,
+  and drop its samples from a call being sampled. Over HTTP the ingress also answers by then;
+  through the handle, parts sampled in time are the trainer's whenever it fetches them
+  (`timeout_s` bounds its wait).
 
 `RolloutResult` is what the handle's `generate` returns. Its sync methods run the async ones on
 this module's event-loop thread: one implementation, whichever way a trainer calls it.
@@ -82,7 +85,8 @@ class Workers(Protocol):
         ...
 
     def cancel(self, part: Any) -> None:
-        """Cancels the part if it is still queued (a part being sampled finishes)."""
+        """Cancels the part: dropped if still queued, out of its sampler call at the next step if
+        being sampled."""
         ...
 
 
@@ -172,6 +176,9 @@ class RolloutResult:
         return run_on_dispatch_loop(self.transformer_cost_async(timeout_s))
 
     def cancel(self) -> None:
+        """Stops the request's sampling: its parts still queued are dropped, and those being sampled
+        leave their sampler calls at the next step. (Dropping a `RolloutResult` does not cancel:
+        copies of it, one pickled to the trainer among them, share its parts.)"""
         for part in self.parts:
             self.workers.cancel(part)
 
