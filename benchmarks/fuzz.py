@@ -2,7 +2,13 @@
 envelopes, and damaged bytes, sent as JSON or msgpack. Every answer must be a 2xx or 4xx within
 `REQUEST_TIMEOUT_S`: a 5xx or a hung request is a defect.
 
-    .venv/bin/python -m benchmarks.fuzz --count 2000     # its own application on 127.0.0.1
+    .venv/bin/python -m benchmarks.fuzz --count 2000     # its own application on 127.0.0.1, with a token
+
+With a token (`run_fuzz`'s `token`, sent with every case) the fuzz also sends
+`/release_memory_occupation`, and resumes the replicas right after each release (`/resume_memory_
+occupation`, counted apart): a released server answers `/rollout/generate` with 503 by design, the
+answer an operator's release asks for, so the cases after a release must not meet it. Every
+release is still fuzzed as the other routes are, and a resume that fails is a defect.
 
 `tests/deployments/test_fuzz.py` runs the same bodies at a small count. `fuzz_cases` is
 deterministic for a seed, so a failure is replayed by its seed and number.
@@ -15,6 +21,7 @@ import base64
 import json
 import math
 import random
+import secrets
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -44,8 +51,7 @@ VALID_BODIES = {
     "/update_weights_from_tensor": {"named_tensors": {"no.such.weight": torch.zeros(2, 2)}, "weight_version": "fuzz"},
     "/get_weights_checksum": {"module_names": ["transformer"]},
 }
-# Routes that read no body get one anyway, and a query string. `/release_memory_occupation` is left
-# out: whatever its body, it puts every replica to sleep, and the requests after it would be 503s.
+# Routes that read no body get one anyway, and a query string.
 BODILESS_ROUTES = [
     ("POST", "/resume_memory_occupation"),
     ("GET", "/health"),
@@ -55,6 +61,9 @@ BODILESS_ROUTES = [
     ("GET", "/server_info"),
     ("GET", "/v1/models"),
 ]
+# Sent only with a token, each followed by a resume (the module's docstring).
+RELEASE_ROUTE = ("POST", "/release_memory_occupation")
+RESUME_AFTER_RELEASE = "/resume_memory_occupation, after each release"
 
 
 @dataclass(frozen=True)
@@ -184,10 +193,11 @@ def _damaged(rng: random.Random, data: bytes) -> tuple[bytes, str]:
     return rng.choice([b"\xdd\xff\xff\xff\xff", b"\xc1", b"[" * 2000, b"\x92" * 3000]) + data, "prefixed"
 
 
-def fuzz_cases(count: int, seed: int = 0) -> Iterator[FuzzCase]:
-    """`count` cases spread over every route, the same ones for the same seed."""
+def fuzz_cases(count: int, seed: int = 0, release: bool = False) -> Iterator[FuzzCase]:
+    """`count` cases spread over every route (`/release_memory_occupation` too with `release`), the
+    same ones for the same seed."""
     rng = random.Random(seed)
-    routes = [("POST", path) for path in VALID_BODIES] + BODILESS_ROUTES
+    routes = [("POST", path) for path in VALID_BODIES] + BODILESS_ROUTES + ([RELEASE_ROUTE] if release else [])
     for number in range(count):
         method, path = routes[number % len(routes)] if number < len(routes) else rng.choice(routes)
         binary = rng.random() < 0.5
@@ -217,20 +227,22 @@ class FuzzReport:
     elapsed_s: float
 
 
-def run_fuzz(base_url: str, count: int, seed: int = 0, headers: dict | None = None) -> FuzzReport:
-    """Sends the cases one after another; counts statuses by route, 5xx answers and hung requests."""
+def run_fuzz(base_url: str, count: int, seed: int = 0, token: str | None = None) -> FuzzReport:
+    """Sends the cases one after another, with `token` as a bearer token where given (and then the
+    releases too, each resumed at once); counts statuses by route, 5xx answers and hung requests."""
     statuses: Counter = Counter()
     server_errors, hung, slowest = [], [], 0.0
+    auth = {} if token is None else {"Authorization": f"Bearer {token}"}
     start = time.perf_counter()
     with requests.Session() as session:
-        for case in fuzz_cases(count, seed):
+        for case in fuzz_cases(count, seed, release=token is not None):
             sent = time.perf_counter()
             try:
                 response = session.request(
                     case.method,
                     base_url + case.path,
                     data=case.body,
-                    headers={"Content-Type": case.content_type, **(headers or {})},
+                    headers={"Content-Type": case.content_type, **auth},
                     timeout=REQUEST_TIMEOUT_S,
                 )
             except requests.Timeout:
@@ -240,6 +252,11 @@ def run_fuzz(base_url: str, count: int, seed: int = 0, headers: dict | None = No
             statuses[(case.path.split("?")[0], response.status_code)] += 1
             if response.status_code >= 500:
                 server_errors.append((case, response.status_code, response.text[:300]))
+            if (case.method, case.path) == RELEASE_ROUTE:
+                resumed = session.post(base_url + "/resume_memory_occupation", headers=auth, timeout=REQUEST_TIMEOUT_S)
+                statuses[(RESUME_AFTER_RELEASE, resumed.status_code)] += 1
+                if resumed.status_code != 200:
+                    server_errors.append((case, resumed.status_code, f"the resume after it: {resumed.text[:300]}"))
     return FuzzReport(statuses, server_errors, hung, slowest, time.perf_counter() - start)
 
 
@@ -248,6 +265,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=2_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8126)
+    parser.add_argument("--no-token", action="store_true", help="serve without a token: no releases are sent")
     args = parser.parse_args()
 
     import ray
@@ -255,11 +273,12 @@ def main() -> None:
 
     from deployments.app import build_app
 
+    token = None if args.no_token else secrets.token_urlsafe(16)
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     try:
-        serve.run(build_app({"app_name": "fuzz"}), name="fuzz", route_prefix="/")
-        report = run_fuzz(f"http://127.0.0.1:{args.port}", args.count, args.seed)
+        serve.run(build_app({"app_name": "fuzz", "auth_token": token}), name="fuzz", route_prefix="/")
+        report = run_fuzz(f"http://127.0.0.1:{args.port}", args.count, args.seed, token)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -4,8 +4,9 @@
 
 1. Bytes per sample of the response rows as `/rollout/generate` sends them (msgpack), for the
    whole trajectory with debug tensors against a 2-step SDE window that keeps only its latents.
-   Beside them, `SamplingOptions.kept_bytes_per_sample` (the figure the server checks against
-   `limits.max_response_bytes` before sampling), here and at Wan2.1's real size.
+   Beside them, `SamplingOptions.kept_bytes_per_sample` (the tensors a worker returns, which the
+   server's check against `limits.max_response_bytes` counts as JSON encodes them:
+   `rollout.plan.most_response_bytes_per_row`), here and at Wan2.1's real size.
 2. Peak resident memory above the loaded model while sampling 1 and 8 videos with the window, each
    call in a fresh process: the latents and the VAE's work are one micro-batch's, whatever the
    request, so the peak should not grow with the videos beyond what is kept.

@@ -1,9 +1,9 @@
 """Reading a request body, and parsing it (JSON or msgpack), at no more cost than its bytes.
 
-A body is bounded three ways before it is parsed: its size (checked against Content-Length
+A body is bounded four ways before it is parsed: its size (checked against Content-Length
 before anything is read, and against the bytes read while a chunked body streams in), the time
 its client takes to send it, and how many bodies are being received at once, in all and from one
-client address. Serve's HTTP proxy (uvicorn) streams a body to the ingress as it arrives and has
+client address, and how many bytes they may hold in all. Serve's HTTP proxy (uvicorn) streams a body to the ingress as it arrives and has
 no such bounds of its own: 270 clients that sent headers and 11 bytes, then stalled, held every
 one of the ingress's request slots, and port 8000 stopped answering. Slow bodies make room for
 prompt ones (`BodyReader`), and refusals close the connection. (Clients that stall before their
@@ -66,9 +66,10 @@ SLOW_BODY_S = 1.0
 
 @dataclass
 class _Receiving:
-    """A body being received: who sends it, since when, and the deadline that ends it."""
+    """A body being received: who sends it, the most bytes it can hold, since when, and the deadline that ends it."""
 
     client: str
+    size: int
     started: float
     deadline: asyncio.Timeout
     overtaken_by: str = ""  # the limit it was ended early under, to make room for a body that came after it
@@ -78,7 +79,8 @@ class BodyReader:
     """The ingress's body reader: one per ingress replica, which keeps the bodies it is receiving.
 
     When as many are being received as the app config allows (in all, or from the new body's
-    client), the new body is let in if the oldest of those has been on its way `SLOW_BODY_S` or
+    client), or as many bytes (`max_unfinished_body_bytes`, each body counted at the most it can
+    hold), the new body is let in if the oldest of those has been on its way `SLOW_BODY_S` or
     more: that one is answered `503` with Retry-After now instead of `408` at its deadline. So
     slow clients, however many and from however many addresses, hold at most the allowed number
     of the ingress's slots and never keep a prompt client out; only when every body being
@@ -100,10 +102,12 @@ class BodyReader:
         if declared.isdigit() and int(declared) > limit:
             raise BodyTooLargeError("body", too_large)
         client = http_request.client.host if http_request.client else ""
-        self._make_room(client)
+        # The HTTP server holds a body to its Content-Length, and `_received` a chunked one to the limit.
+        size = int(declared) if declared.isdigit() else limit
+        self._make_room(client, size)
         timeout = getattr(self.config, kind.timeout_field)
         deadline = asyncio.timeout(timeout)
-        receiving = _Receiving(client, asyncio.get_running_loop().time(), deadline)
+        receiving = _Receiving(client, size, asyncio.get_running_loop().time(), deadline)
         self._receiving.append(receiving)  # entered below before any await: no one can end it sooner
         try:
             async with deadline:
@@ -124,7 +128,9 @@ class BodyReader:
             body
         )
 
-    def _make_room(self, client: str) -> None:
+    def _make_room(self, client: str, size: int) -> None:
+        """Room for a body of at most `size` bytes from `client`, made by ending slow bodies; raises
+        `TooManyBodiesError` where none is slow enough."""
         config = self.config
         from_client = [body for body in self._receiving if body.client == client]
         if len(self._receiving) >= config.max_unfinished_bodies:
@@ -137,6 +143,13 @@ class BodyReader:
                 from_client,
                 f"{config.max_unfinished_bodies_per_client} bodies from this client address are being received "
                 "(max_unfinished_bodies_per_client in the app config)",
+            )
+        # Each pass ends a body or raises; the config lets any one body in alone.
+        while (held := sum(body.size for body in self._receiving)) + size > config.max_unfinished_body_bytes:
+            self._end_the_slowest(
+                self._receiving,
+                f"bodies of up to {held} bytes are being received and this one may hold {size}, over "
+                f"max_unfinished_body_bytes ({config.max_unfinished_body_bytes}) in the app config",
             )
 
     def _end_the_slowest(self, bodies: list[_Receiving], limit: str) -> None:

@@ -297,6 +297,13 @@ class RolloutAppConfig(BaseModel):
         description="Seconds the samples of an HTTP request with a seed whose scoring failed are kept, so that the "
         "same request sent again is scored from them rather than sampled again; 0: not kept.",
     )
+    # They stay in Ray's object store while kept: 16 requests at most, and this many bytes.
+    max_unscored_bytes: int = Field(
+        4 * 2**30,
+        ge=1,
+        description="Bytes of the samples kept for requests whose scoring failed (keep_unscored_s), in all; past it "
+        "the oldest are dropped first, and a request larger alone is not kept.",
+    )
     probe_port: int | None = Field(
         None,
         ge=1,
@@ -336,6 +343,13 @@ class RolloutAppConfig(BaseModel):
         ge=1,
         description="Bodies the ingress receives at once from one client address (behind a reverse proxy, the "
         "proxy's); more are refused (503, Retry-After).",
+    )
+    # The count alone lets 128 bodies of up to 1 GiB each (tensor updates) be received at once.
+    max_unfinished_body_bytes: int = Field(
+        2 * 2**30,
+        ge=1,
+        description="Bytes of the bodies the ingress receives at once, each counted at its Content-Length (a chunked "
+        "one at its size limit); a body past it is refused (503, Retry-After) until others are in.",
     )
     request_validation: RequestValidation = Field(
         "strict",
@@ -385,6 +399,12 @@ class RolloutAppConfig(BaseModel):
             raise ValueError(
                 f"max_unfinished_bodies: must be below ingress_max_ongoing_requests ({self.ingress_max_ongoing_requests}), "
                 "so that clients slow to send their bodies cannot hold every slot of the ingress"
+            )
+        largest = max(self.max_request_body_bytes, self.max_weight_update_body_bytes)
+        if self.max_unfinished_body_bytes < largest:
+            raise ValueError(
+                f"max_unfinished_body_bytes: must be at least the largest body allowed ({largest}, "
+                "max_request_body_bytes and max_weight_update_body_bytes), or such a body could never be received"
             )
         return self
 

@@ -38,14 +38,14 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import ray
 
 from deployments.config import RolloutAppConfig
-from deployments.ray_private import object_ref
+from deployments.ray_private import object_ref, object_store_bytes
 from deployments.retries import asked_until_not_lost
 from deployments.scoring import RequestScoring, RewardTimes, Scorers
 from deployments.work import DeadlineExceededError, SamplingWork, ServiceUnavailableError, WorkerResult, cut_into_work
@@ -233,12 +233,25 @@ class UnscoredResults:
     sent again is scored from the samples it already has rather than sampled again (through the
     handle, `RolloutResult.batch()` again does the same). Only a request with a seed can be the
     same request again; `rollout_reward_on_error` and `rollout_timeout_s` may differ on the retry.
-    At most `max_kept` requests are kept, the oldest dropped first: their samples stay in the
-    object store while kept."""
 
-    def __init__(self, keep_s: float, max_kept: int = 16):
+    Their samples stay in the object store while kept, so at most `max_kept` requests are kept,
+    and `max_bytes` of their parts in all, the oldest dropped first. A request's bytes are what
+    `part_bytes` says its parts hold now (`object_store_bytes`), asked again at each `keep`: a part
+    still being sampled counts at the bytes per sample of its request's parts already there (none
+    there: nothing yet, and admission bounds the work in flight meanwhile). A request larger alone
+    than `max_bytes` is not kept."""
+
+    def __init__(
+        self,
+        keep_s: float,
+        max_bytes: int,
+        max_kept: int = 16,
+        part_bytes: Callable[[Sequence[Any]], list[int | None]] = object_store_bytes,
+    ):
         self.keep_s = keep_s
+        self.max_bytes = max_bytes
         self.max_kept = max_kept
+        self._part_bytes = part_bytes
         self._kept: OrderedDict[str, tuple[float, RolloutResult]] = OrderedDict()
 
     @staticmethod
@@ -248,15 +261,34 @@ class UnscoredResults:
         return plan.request.model_dump_json(exclude={"rollout_reward_on_error", "rollout_timeout_s"})
 
     def keep(self, plan: RolloutPlan, result: RolloutResult) -> bool:
-        """Keeps `result` for `plan`'s request sent again; False where it cannot be sent again."""
+        """Keeps `result` for `plan`'s request sent again; False where it cannot be sent again, or
+        is larger than `max_bytes` alone."""
         key = self._key(plan)
         if key is None or self.keep_s <= 0:
             return False
         self._kept[key] = (time.monotonic() + self.keep_s, result)
         self._kept.move_to_end(key)
-        while len(self._kept) > self.max_kept:
+        sizes = self._bytes([kept for _, kept in self._kept.values()])
+        if sizes[-1] > self.max_bytes:
+            del self._kept[key]
+            return False
+        while len(self._kept) > self.max_kept or sum(sizes) > self.max_bytes:
             self._kept.popitem(last=False)
+            sizes.pop(0)
         return True
+
+    def _bytes(self, results: list[RolloutResult]) -> list[int]:
+        """Each result's bytes in the object store, its parts not there yet counted at its bytes per sample."""
+        known = self._part_bytes([part for result in results for part in result.parts])
+        sizes, start = [], 0
+        for result in results:
+            parts = list(zip(known[start : start + len(result.parts)], result.works))
+            start += len(result.parts)
+            there = [(size, len(work)) for size, work in parts if size is not None]
+            held = sum(size for size, _ in there)
+            per_sample = held / max(1, sum(samples for _, samples in there))
+            sizes.append(held + round(per_sample * sum(len(work) for size, work in parts if size is None)))
+        return sizes
 
     def take(self, plan: RolloutPlan) -> RolloutResult | None:
         """The kept result of `plan`'s request, to be scored as `plan` asks; None if none is kept."""
@@ -289,7 +321,7 @@ class Dispatcher:
     ):
         self.workers = workers
         self.scorers = scorers
-        self.unscored = UnscoredResults(config.keep_unscored_s)
+        self.unscored = UnscoredResults(config.keep_unscored_s, config.max_unscored_bytes)
         self.config = config
         self._queued_on_workers = queued_on_workers
         self._routing_samples = 0  # admitted, not yet placed on a worker replica

@@ -5,6 +5,7 @@ says which. `pyproject.toml` pins Ray to the versions the tests ran on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -45,3 +46,14 @@ def application_url(app_name: str) -> str | None:
     if not client.root_url or prefix is None:
         return None
     return client.root_url.rstrip("/") + prefix
+
+
+def object_store_bytes(parts: Sequence[Any]) -> list[int | None]:
+    """The bytes each of `parts` holds in Ray's object store, None where it is not yet there (still
+    being computed) or not an object reference (a test's fake part). Asks the objects' owner, this
+    process for the parts it sent: a lookup, no fetch (`ray.experimental.get_object_locations`)."""
+    from ray.experimental import get_object_locations
+
+    refs = [part for part in parts if isinstance(part, ray.ObjectRef)]
+    found = get_object_locations(refs, timeout_ms=1000) if refs else {}
+    return [(found.get(part) or {}).get("object_size") if isinstance(part, ray.ObjectRef) else None for part in parts]

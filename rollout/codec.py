@@ -106,6 +106,26 @@ def encode_tensor(tensor: torch.Tensor, binary: bool = True) -> dict[str, Any]:
     }
 
 
+# The most bytes an envelope adds to its tensor's data, in a JSON or a msgpack response: the
+# safetensors header (its 8-byte length, and JSON padded to 8: at most 192 bytes for 8 dimensions of
+# 12 digits) base64'd, the keys, the shape and the dtype (about 180 more).
+MAX_ENVELOPE_BYTES = 512
+
+
+def most_encoded_tensor_bytes(nbytes: int) -> int:
+    """The most bytes a tensor of `nbytes` bytes of data takes in a response, JSON or msgpack: JSON
+    carries its safetensors file as base64 (4 characters per 3 bytes), msgpack as the bytes
+    themselves, and either wraps them in an envelope of at most `MAX_ENVELOPE_BYTES`."""
+    return 4 * -(-nbytes // 3) + MAX_ENVELOPE_BYTES
+
+
+def most_encoded_text_bytes(text: str) -> int:
+    """The most bytes `text` takes in a response, JSON or msgpack: JSON escapes it (`\\uXXXX` for
+    every character outside ASCII, 12 bytes for one outside the BMP), msgpack writes its UTF-8
+    bytes after a header of at most 5 bytes (JSON's quotes are 2, and its escapes never shorter)."""
+    return len(json.dumps(text)) + 3
+
+
 def decode_tensor(envelope: dict[str, Any]) -> torch.Tensor:
     """Inverse of `encode_tensor`; checks the declared shape and dtype against the payload."""
     data = envelope.get("data")

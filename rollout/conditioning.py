@@ -46,6 +46,10 @@ class Conditioning:
         tensors = self._tensors()
         return tensors[0].shape[0] if tensors else 0
 
+    def row_bytes(self) -> tuple[int, ...]:
+        """The bytes of each tensor of one row (`row`'s map: every row's tensors have the same shapes)."""
+        return tuple(t.nbytes // len(t) for t in self._tensors())
+
     def parts(self) -> dict[str, Any]:
         """The four parts by name, in SGLang's order."""
         return {part.name: getattr(self, part.name) for part in dataclasses.fields(self)}

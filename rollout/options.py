@@ -92,19 +92,26 @@ class SamplingOptions:
             return tuple(range(self.num_inference_steps + 1))
         return self.return_step_indices
 
-    def kept_bytes_per_sample(self, latent_shape: tuple[int, ...]) -> int:
-        """Bytes of the fp32 tensors one sample returns: its kept latents, its log-probs, the debug
-        tensors when asked (a velocity, a mean and a noise per step, and the noise stds), and its
-        output, counted as fp32 RGB frames of the options' size: what a worker returns and the
-        ingress holds, even where `rollout_video_dtype: "uint8"` rounds the frames of the HTTP
-        rows to a quarter of it. From the options (model defaults filled
-        in) and the latent shape alone, so a request too large to return is refused before it is
-        sampled; `denoising_env`, the text's size, is left out."""
-        latent, steps = math.prod(latent_shape), self.num_inference_steps
-        elements = len(self.kept_latent_steps()) * latent + steps + 3 * self.num_frames * self.height * self.width
+    def kept_tensor_bytes(self, latent_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Bytes of each tensor one sample returns besides its conditioning (`rollout.rows`): its
+        output, counted as fp32 RGB frames of the options' size (what a worker returns and the
+        ingress holds, even where `rollout_video_dtype: "uint8"` rounds the frames of the HTTP rows
+        to a quarter of it), its log-probs, its kept latents with the schedule's labels of
+        `dit_trajectory` (counted as int64, the widest), and the debug tensors when asked (a
+        velocity, a mean and a noise per step, and the noise stds). From the options (model
+        defaults filled in) and the latent shape alone, so a request too large to return is
+        refused before it is sampled."""
+        latent, steps, kept = math.prod(latent_shape), self.num_inference_steps, len(self.kept_latent_steps())
+        tensors = [4 * 3 * self.num_frames * self.height * self.width, 4 * steps]
+        if kept:  # timesteps and latent_step_indices [K]; sigmas [T + 1]; the others [T]
+            tensors += [4 * kept * latent, *(8 * n for n in (kept, kept, steps + 1, steps, steps, steps))]
         if self.debug:
-            elements += 3 * steps * latent + steps
-        return 4 * elements
+            tensors += [4 * steps * latent] * 3 + [4 * steps]
+        return tuple(tensors)
+
+    def kept_bytes_per_sample(self, latent_shape: tuple[int, ...]) -> int:
+        """The total of `kept_tensor_bytes`: the tensors one sample returns, as the worker holds them."""
+        return sum(self.kept_tensor_bytes(latent_shape))
 
 
 def _check_finite_non_negative(field: str, value) -> float:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout.codec import most_encoded_tensor_bytes, most_encoded_text_bytes
 from rollout.errors import InvalidRequestError, short_repr
 from rollout.options import MAX_SEED, SamplingOptions, check_seed
 from rollout.sampler import resolve_options
@@ -65,8 +66,8 @@ class RequestLimits(BaseModel):
     max_response_bytes: int = Field(
         4 * 2**30,
         ge=1,
-        description="Largest total of the tensors a request returns (latents kept, debug tensors, outputs), "
-        "computed from its fields and the model before it is sampled.",
+        description="Largest response of a request, as JSON encodes it (latents kept, debug tensors, outputs, "
+        "conditioning, prompts), computed from its fields and the model before it is sampled.",
     )
 
     @model_validator(mode="after")
@@ -204,23 +205,54 @@ def checked_against_model(
 
     Raises `InvalidRequestError` naming the field: a prompt the model cannot condition on, a size
     or frame count it cannot make (`RolloutPipeline.latent_shape`), a step count its scheduler
-    cannot make, or a response of more than `limits.max_response_bytes` of tensors over the
-    `samples_in_response` samples of the whole request."""
+    cannot make, or a response of more than `limits.max_response_bytes` over the
+    `samples_in_response` samples of the whole request (`most_response_bytes_per_row`)."""
     model.check_prompts(prompts, negative_prompts)
     options = resolve_options(model, options)
     model.schedule(options.num_inference_steps, options.height, options.width, options.num_frames)
     latent_shape = model.latent_shape(options.height, options.width, options.num_frames)
-    per_sample = options.kept_bytes_per_sample(latent_shape)
-    total = per_sample * samples_in_response
+    per_row = most_response_bytes_per_row(model, options, latent_shape, prompts)
+    total = sum(per_row.values()) * samples_in_response
     if total > limits.max_response_bytes:
+        parts = ", ".join(f"{size / 2**20:.1f} MiB of {what}" for what, size in per_row.items())
         raise InvalidRequestError(
             "rollout_return_step_indices",
-            f"the response would hold {total / 2**20:.0f} MiB of tensors ({per_sample / 2**20:.1f} MiB a sample), "
+            f"the response would be {total / 2**20:.0f} MiB, encoded as JSON ({parts}, a sample), "
             f"past limits.max_response_bytes ({limits.max_response_bytes / 2**20:.0f} MiB): keep fewer latents "
-            "(rollout_return_step_indices, rollout_sde_step_indices), set rollout_debug_mode: false, or ask for "
-            "fewer samples",
+            "(rollout_return_step_indices, rollout_sde_step_indices), set rollout_debug_mode: false or "
+            "rollout_return_denoising_env: false, or ask for fewer samples",
         )
     return options
+
+
+# A row's keys and its values besides its tensors and its prompt: numbers, the request id, a
+# `weight_version` (at most 128 characters), and the rewards and advantages of the scorers it names:
+# about 700 bytes as JSON with two scorers; 8 KiB leaves room for dozens. Plus, per step, an entry
+# of `branch_path` and of `branch_seeds` (a branched sample has at most one branch step a step).
+_ROW_FIELD_BYTES = 8192
+_ROW_BYTES_PER_STEP = 48
+
+
+def most_response_bytes_per_row(
+    model: RolloutPipeline, options: SamplingOptions, latent_shape: tuple[int, ...], prompts: Sequence[str]
+) -> dict[str, int]:
+    """The most bytes one row of the response takes (`rollout.rows`), by what takes them: the
+    tensors (`SamplingOptions.kept_tensor_bytes`), the conditioning of
+    `rollout_return_denoising_env` (`RolloutPipeline.conditioning_bytes`), the prompt each row
+    echoes, and the rest of its fields. Every tensor is counted as JSON encodes it (base64 and its
+    envelope, `rollout.codec.most_encoded_tensor_bytes`), whichever format the client asks for:
+    the worker that checks does not know it (an HTTP client's `Accept` header), and a msgpack
+    response is at most 3/4 of it. The prompt is counted as the longest of `prompts`: a request's
+    parts are each checked with their own prompts, so the part with the longest makes the largest
+    estimate, and a request one part refuses is refused."""
+    tensors = options.kept_tensor_bytes(latent_shape)
+    conditioning = model.conditioning_bytes(options) if options.return_denoising_env else ()
+    return {
+        "tensors": sum(most_encoded_tensor_bytes(size) for size in tensors),
+        "denoising_env": sum(most_encoded_tensor_bytes(size) for size in conditioning),
+        "prompt": max((most_encoded_text_bytes(p) for p in prompts), default=0),
+        "other fields": _ROW_FIELD_BYTES + _ROW_BYTES_PER_STEP * options.num_inference_steps,
+    }
 
 
 def _rewards(request: RolloutRequest, scorers: Collection[str]) -> RewardPlan | None:

@@ -171,6 +171,14 @@ class RolloutPipeline(Protocol):
         """
         ...
 
+    def conditioning_bytes(self, options: SamplingOptions) -> tuple[int, ...]:
+        """The bytes of each tensor of one sample's conditioning (its `denoising_env`) for requests
+        with `options` (model defaults filled in), whatever its prompt: exact, or an upper bound
+        where a prompt's length sets them. What the response-size estimate counts for
+        `rollout_return_denoising_env` (`rollout.plan.checked_against_model`), made without
+        encoding the request's prompts."""
+        ...
+
     def uses_negative_branch(self, options: SamplingOptions) -> bool:
         """Whether requests with `options` (model defaults filled in) run classifier-free guidance's
         negative branch, as the family's diffusers pipeline decides."""

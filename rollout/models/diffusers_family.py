@@ -120,6 +120,7 @@ class DiffusersFamily:
         self.vae_tiling = self.default_num_frames > 1 if vae_tiling is None else vae_tiling
         if self.vae_tiling:
             self.vae.enable_tiling()
+        self._one_word_text: dict[str, torch.Tensor] | None = None  # `text_bytes`' measure
 
     @classmethod
     def spatial_scale_factor(cls, pipe: Any) -> int:
@@ -271,6 +272,28 @@ class DiffusersFamily:
 
         keys = [(text_shapes(prompts, row), text_shapes(negatives, row)) for row in range(len(prompts))]
         return BucketedConditioning.grouped(keys, conditioning_of)
+
+    def conditioning_bytes(self, options: SamplingOptions) -> tuple[int, ...]:
+        # The image inputs and the guidance are made from the options alone: made here for one sample.
+        guidance = self.guidance(1, options)
+        made = [*(self.image_kwargs(1, options) or {}).values(), *(() if guidance is None else (guidance,))]
+        text = self.text_bytes(options)
+        return (*text, *(text if self.uses_negative_branch(options) else ()), *(t.nbytes for t in made))
+
+    def text_bytes(self, options: SamplingOptions) -> tuple[int, ...]:
+        """The bytes of each tensor of one prompt's encoding (`encode_prompt`) at its longest. A family
+        that pads every prompt to `max_sequence_length` makes the same shapes for any prompt, so a
+        one-word prompt's, encoded once in the pipeline's life (`one_word_text`), are exact."""
+        return tuple(t.nbytes for t in self.one_word_text(options).values())
+
+    def one_word_text(self, options: SamplingOptions) -> dict[str, torch.Tensor]:
+        """`encode_prompt` of a one-word prompt, made on the first call and kept as meta tensors (their
+        shapes and dtypes, no memory): its shapes measure every prompt's (`text_bytes`)."""
+        if self._one_word_text is None:
+            with torch.no_grad():
+                encoded = self.encode_prompt("a", options)
+            self._one_word_text = {name: t.to("meta") for name, t in encoded.items()}
+        return self._one_word_text
 
     def encode_prompt(self, prompt: str, options: SamplingOptions) -> dict[str, torch.Tensor]:
         """One prompt's transformer keyword arguments, each `(1, ...)`, encoded alone for a request

@@ -238,6 +238,11 @@ class DigitFlowPipeline:
             negative = self._transformer_kwargs(negative_ids) if self.uses_negative_branch(options) else None
         return BucketedConditioning.single(Conditioning(pos_cond_kwargs=positive, neg_cond_kwargs=negative))
 
+    def conditioning_bytes(self, options: SamplingOptions) -> tuple[int, ...]:
+        # Every digit's embedding has the same shapes: one digit's, encoded, is exact (and costs two lookups).
+        (bucket,) = self.encode_prompts([digit_prompt(0)], [""], options).buckets
+        return bucket.conditioning.row_bytes()
+
     def _transformer_kwargs(self, class_ids: list[int]) -> dict[str, torch.Tensor]:
         prompt_embeds, pooled = self.prompt_encoder(torch.tensor(class_ids, device=self.device))
         return {"encoder_hidden_states": prompt_embeds, "pooled_projections": pooled}

@@ -50,6 +50,12 @@ class QwenImageFamily(PackedLatentFamily):
         bucket = self.text_length_bucket(options)
         return min(self.max_sequence_length, -(-length // bucket) * bucket)
 
+    def text_bytes(self, options: SamplingOptions) -> tuple[int, ...]:
+        """A prompt is padded to its own length bucket, at most `max_sequence_length` tokens: the
+        bytes per token of a one-word prompt's hidden states and mask, times `max_sequence_length`,
+        bound every prompt's."""
+        return tuple(t.nbytes // t.shape[1] * self.max_sequence_length for t in self.one_word_text(options).values())
+
     @property
     def image_size_limits(self) -> ImageSizeLimits:
         limits = super().image_size_limits

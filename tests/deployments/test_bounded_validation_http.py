@@ -166,6 +166,46 @@ def test_a_new_body_ends_the_slowest_one_once_that_has_taken_long(monkeypatch):
     assert prompt == [2]
 
 
+def test_bodies_being_received_are_bounded_in_bytes_counted_at_their_length_or_their_limit(monkeypatch):
+    monkeypatch.setattr(bodies, "SLOW_BODY_S", 0.1)
+    config = RolloutAppConfig(max_request_body_bytes=1_000, max_weight_update_body_bytes=1_000, max_unfinished_body_bytes=2_000)
+    reader = BodyReader(config)
+
+    def stalled(content_length: int | None, client: str) -> asyncio.Task:
+        return asyncio.create_task(reader.read(request_with_body([b"[1,"], content_length, [], client=client, stalls=True)))
+
+    async def scenario() -> tuple:
+        held = [stalled(None, "a"), stalled(400, "b")]  # counted at the limit (1,000) and at their length
+        await asyncio.sleep(0.01)
+        with pytest.raises(TooManyBodiesError) as refused:  # 1,400 + 900 > 2,000, none slow yet
+            await reader.read(request_with_body([b"[2]"], 900, [], client="c"))
+        small = await reader.read(request_with_body([b"[3]"], 3, [], client="c"))  # 1,403 <= 2,000
+        await asyncio.sleep(0.15)
+        # Every body held is slow now: the oldest (a's, 1,000 bytes) is ended to make room.
+        held.append(stalled(900, "c"))
+        oldest = await asyncio.gather(held[0], return_exceptions=True)
+        sizes = sorted(body.size for body in reader._receiving)
+        for task in held[1:]:
+            task.cancel()
+        return str(refused.value), small, oldest[0], sizes
+
+    refused, small, oldest, sizes = asyncio.run(scenario())
+    assert refused == (
+        "body: bodies of up to 1400 bytes are being received and this one may hold 900, over max_unfinished_body_bytes "
+        "(2000) in the app config, none of them for 0.1 s yet; send it again later"
+    )
+    assert small == [3]
+    assert isinstance(oldest, TooManyBodiesError) and "max_unfinished_body_bytes (2000)" in str(oldest)
+    assert sizes == [400, 900]
+
+
+def test_a_body_byte_bound_below_the_largest_body_is_refused_when_configured():
+    from deployments.config import AppConfigError
+
+    with pytest.raises(AppConfigError, match=r"max_unfinished_body_bytes: must be at least the largest body allowed \(1073741824"):
+        RolloutAppConfig.parse({"max_unfinished_body_bytes": 2**29})
+
+
 def test_refusals_before_the_body_is_read_close_the_connection():
     for error in (BodyTooLargeError("body", "x"), BodyTimeoutError("body", "x"), TooManyBodiesError("body: x")):
         response = error_response(error)

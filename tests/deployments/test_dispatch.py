@@ -14,9 +14,13 @@ from deployments.dispatch import (
     Dispatcher,
     FetchTimeoutError,
     OverloadedError,
+    RolloutResult,
     StoppingError,
+    UnscoredResults,
     WorkerLostError,
 )
+from deployments.ray_private import object_store_bytes
+from deployments.scoring import RequestScoring
 from deployments.work import DeadlineExceededError, cut_into_work
 from rollout.cost import TransformerCost
 from rollout.errors import InvalidRequestError
@@ -192,3 +196,39 @@ def test_through_the_handle_the_deadline_stops_sampling_and_loses_nothing_sample
         asyncio.run(ingress.dispatch(plan(4), deadline=0.0))
 
 
+
+
+def unscored_request(seed: int, samples: int = 4):
+    """A plan with a seed and rewards (so it can be kept), and a result of two parts of `samples // 2` each."""
+    request = parse_request({"prompt": "7", "num_outputs_per_prompt": samples, "seed": seed, "rollout_reward_models": ["ink"]})
+    kept_plan = plan_rollout(request, RequestLimits(), scorers=["ink"])
+    works = cut_into_work(kept_plan, 2, 32, deadline=time.time() + 60)
+    parts = tuple(f"{seed}-{i}" for i in range(len(works)))
+    scoring = RequestScoring(kept_plan.rewards, samples, scorers=None, settings={})
+    return kept_plan, RolloutResult(kept_plan.request_id, seed, samples, tuple(works), parts, Workers(), 1, scoring)
+
+
+def test_the_resend_cache_is_bounded_in_bytes_oldest_first_counting_parts_not_there_yet_at_their_requests_rate():
+    held: dict[str, int | None] = {}  # part -> bytes it holds in the object store; None: not there yet
+    cache = UnscoredResults(keep_s=60, max_bytes=1_000, part_bytes=lambda parts: [held[part] for part in parts])
+    first, second, third, large = (unscored_request(seed) for seed in range(4))
+    held.update({"0-0": 200, "0-1": 200, "1-0": 300, "1-1": None, "2-0": None, "2-1": None})
+    assert cache.keep(*first) and cache.keep(*second)  # 400 + 600 (its part not there yet at 300 too): 1,000
+    assert cache.keep(*third)  # holds nothing yet: kept beside them
+    held.update({"1-1": 300, "2-0": 150, "2-1": 150, "3-0": 1_000, "3-1": 1})
+    assert not cache.keep(*large)  # larger alone than the bound: not kept, and drops none of the others
+    assert [cache.take(plan) is not None for plan, _ in (first, second, third, large)] == [True, True, True, False]
+    for request in (first, second, third):
+        cache.keep(*request)  # the third's parts are there now: 400 + 600 + 300 > 1,000, the oldest goes
+    assert [cache.take(plan) is not None for plan, _ in (first, second, third)] == [False, True, True]
+
+
+def test_the_resend_cache_still_keeps_at_most_max_kept_requests():
+    cache = UnscoredResults(keep_s=60, max_bytes=10**9, max_kept=2, part_bytes=lambda parts: [10] * len(parts))
+    requests = [unscored_request(seed) for seed in range(3)]
+    assert all(cache.keep(*request) for request in requests)
+    assert [cache.take(plan) is not None for plan, _ in requests] == [False, True, True]
+
+
+def test_object_store_bytes_are_unknown_for_what_is_not_an_object_reference():
+    assert object_store_bytes(["a fake part", None]) == [None, None]

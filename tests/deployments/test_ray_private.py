@@ -46,3 +46,19 @@ def test_the_serve_client_still_gives_the_root_url_and_each_applications_route(s
     _, base_url = serve_app
     assert ray_private.application_url(app_config["app_name"]) == base_url + "/"
     assert ray_private.application_url("no-such-application") is None
+
+
+def test_the_object_store_still_says_how_many_bytes_an_object_holds_without_fetching_it(ray_cluster):
+    import ray
+    import torch
+
+    @ray.remote
+    def later():
+        import time
+
+        time.sleep(30)
+
+    stored, running = ray.put(torch.zeros(2**20, dtype=torch.uint8)), later.remote()
+    sizes = ray_private.object_store_bytes([stored, running, "a fake part"])
+    assert 2**20 <= sizes[0] < 2**20 + 4096 and sizes[1:] == [None, None]
+    ray.cancel(running, force=True)

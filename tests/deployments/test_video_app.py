@@ -19,6 +19,7 @@ from rollout.rows import schedule_of_row
 from rollout.sampler import sample
 from rollout.video import frames_as_uint8
 from tests.deployments.test_sglang_compat import generate
+from tests.test_response_size import response_estimate
 
 LAYOUTS = ["wan21", "wan22_a14b"]
 
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 APPS = [*LAYOUTS, "ltx"]
 TEXT_LENGTH = 16
+WAN_RESPONSE_LIMIT = 3 * 2**19  # 8 whole trajectories are past it, 8 two-step windows not
 HEIGHT, WIDTH, FRAMES, STEPS = 32, 48, 5, 4
 
 
@@ -44,9 +46,9 @@ def video_apps(serve_app, tiny_video_dirs):
             "worker_num_cpus": 0.25,
             "worker_torch_threads": 1,
             "ingress_num_cpus": 0.1,
-            # A tiny Wan video with its whole trajectory and debug tensors is 143 KiB here; an LTX one's
-            # frames alone (64 x 96, 9 frames) are 0.6 MiB.
-            "limits": {"max_response_bytes": 4 * 2**20 if layout == "ltx" else 2**20},
+            # A tiny Wan video with its whole trajectory and debug tensors is 203 KB here as JSON; an
+            # LTX one's frames alone (64 x 96, 9 frames) are 0.6 MiB.
+            "limits": {"max_response_bytes": 4 * 2**20 if layout == "ltx" else WAN_RESPONSE_LIMIT},
         }
         targets.append(serve.RunTarget(build_app(config), name=config["app_name"], route_prefix=f"/{layout}"))
     handles = serve.run_many(targets)
@@ -151,9 +153,8 @@ def test_a_response_past_the_size_limit_is_a_400_before_sampling_naming_what_to_
         "prompt": "x", "height": HEIGHT, "width": WIDTH, "num_frames": FRAMES, "num_inference_steps": STEPS,
         "num_outputs_per_prompt": 8, "rollout_return_dit_trajectory": True,
     }  # fmt: skip
-    options = SamplingOptions(num_inference_steps=STEPS, height=HEIGHT, width=WIDTH, num_frames=FRAMES, debug=True)
-    per_sample = options.kept_bytes_per_sample(local.latent_shape(HEIGHT, WIDTH, FRAMES))
-    assert 8 * per_sample > 2**20 > 2 * per_sample
+    window = {"rollout_sde_step_indices": [1, 2], "rollout_return_step_indices": [1, 2, 3], "rollout_debug_mode": False}
+    assert response_estimate(local, body) > WAN_RESPONSE_LIMIT > response_estimate(local, {**body, **window})
     response = http.post(f"{url}/rollout/generate", json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -161,7 +162,6 @@ def test_a_response_past_the_size_limit_is_a_400_before_sampling_naming_what_to_
     for advice in ("limits.max_response_bytes", "rollout_sde_step_indices", "rollout_debug_mode: false"):
         assert advice in error["message"]
     # The same samples with a two-step window and no debug tensors fit, and the server kept serving.
-    window = {"rollout_sde_step_indices": [1, 2], "rollout_return_step_indices": [1, 2, 3], "rollout_debug_mode": False}
     response = http.post(f"{url}/rollout/generate", json={**body, **window})
     assert response.status_code == 200, response.text
 
