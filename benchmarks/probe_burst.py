@@ -39,16 +39,21 @@ from benchmarks.reliability import LIGHT, _percentile
 
 BURST_TIMEOUT_S = 180.0  # a client's request unanswered this long counts as hung
 # A GET of argv[1] every 100 ms until stdin closes, in a process of its own (stdlib only, so it
-# starts at once and the burst's client threads do not take its turns); prints the seconds of each
-# and the answers by status as JSON. A GET unanswered in 30 s counts as 30 s, status "no answer".
+# starts at once and the burst's client threads do not take its turns); prints the seconds of each,
+# the answers by status, and the seconds of each that the poller itself waited for a core (Linux's
+# schedstat), as JSON. A GET unanswered in 30 s counts as 30 s, status "no answer".
 POLLER = """
 import json, sys, threading, time, urllib.request
 done = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-latencies, statuses = [], {}
+schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+def waited():  # seconds this thread has spent runnable, waiting for a core
+    with open(schedstat) as stats:
+        return int(stats.read().split()[1]) / 1e9
+latencies, own_waits, statuses = [], [], {}
 print("ready", flush=True)
 while not done.is_set():
-    start = time.perf_counter()
+    start, waited_before = time.perf_counter(), waited()
     try:
         with urllib.request.urlopen(sys.argv[1], timeout=30) as answer:
             status = str(answer.status)
@@ -57,9 +62,10 @@ while not done.is_set():
     except OSError:
         status = "no answer"
     latencies.append(time.perf_counter() - start)
+    own_waits.append(waited() - waited_before)
     statuses[status] = statuses.get(status, 0) + 1
     done.wait(0.1)
-print(json.dumps([latencies, statuses]), flush=True)
+print(json.dumps([latencies, statuses, own_waits]), flush=True)
 """
 # One POST of argv[2] to argv[1] (Accept: argv[3]) at time.monotonic() argv[4]; prints its status.
 CLIENT = """
@@ -213,11 +219,17 @@ def burst(
             "seconds from the first request to the last answer": f"{burst_s:.1f}",
         }
         for label, url in urls.items():
-            latencies, statuses = polls[url]
+            latencies, statuses, *own_waits = polls[url]
             rows[f"{label}: p50 / p99 / max (s)"] = (
                 f"{statistics.median(latencies):.3f} / {_percentile(latencies, 0.99):.3f} / {max(latencies):.3f} "
                 f"({len(latencies)} polls, answers {statuses}, {sum(t > 0.5 for t in latencies)} over 0.5 s)"
             )
+            if own_waits:  # what is left is the server's (and the kernel's network path)
+                served = [latency - wait for latency, wait in zip(latencies, own_waits[0])]
+                slowest = max(range(len(latencies)), key=latencies.__getitem__)
+                rows[f"{label}: less the poller's own wait for a core, p99 / max (s); the slowest poll's own wait"] = (
+                    f"{_percentile(served, 0.99):.3f} / {max(served):.3f}; {own_waits[0][slowest]:.3f} of {latencies[slowest]:.3f}"
+                )
         rows.update({f"CPU during the burst, {name} (100% = one core)": text for name, text in cpu_rows.items()})
         return rows
     finally:
