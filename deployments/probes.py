@@ -1,17 +1,22 @@
 """`/health` and `/liveness` on a port of their own, answered by a small process of the ingress
 replica's (`deployments/probe_process.py`), which dies with it.
 
-Why a process: under a burst the ingress replica's process is busy for seconds. A thread of it
-(this port's first form) waits for the interpreter lock, which the event loop parsing 150 requests
-of 32 samples and the proxy's callbacks pass around: there `/health` on this port took 4.4 s at
-worst (150 clients of 32 samples, 2 cores, issue 46), and `python -m benchmarks.probe_burst`
-measured the ingress's process at about one core throughout, its lock's limit. A process of its
-own holds its own lock and answers what it can without asking the ingress: `/liveness` (a
-constant), and `/health` from the answer the ingress publishes into shared memory after each
-status read, within 0.5 s under the same burst (benchmarks/probe_burst.py; the figures are in
-the commit that made this change). Anything else (a path it does not know, a request whose token
-it cannot accept itself) it asks the ingress for, over a channel, so every answer but the two is
-the ingress's own, as before.
+Why a process: a thread of the ingress (this port's first form) answers only while it holds
+the replica process's interpreter lock, so whatever holds that lock delays every probe: the
+event loop parsing and encoding, or one C call that never returns to the bytecode loop. Held
+for 1.1 s (as tests/deployments/test_probes.py holds it), it delayed the thread's answers by
+1.1 s; this process's answers take milliseconds meanwhile. Under issue 46's burst (150 client processes
+sending requests of 32 samples at once, 2 cores; `python -m benchmarks.probe_burst --processes`)
+the thread's part of a poll (its latency less the poller's own wait for a core) reached 1.7 s in
+one of two runs, the process's 0.14 s at most in two. The ingress's process used 9-37% of one
+core meanwhile: its lock is held in stretches, not saturated. What no process of the server
+shortens is the prober's own wait for a core: there, polls of up to 4.1 s with the thread and
+3.4 s with the process were all but 15 ms the polling process waiting for one of the 2 cores.
+
+The process answers what it can without asking the ingress: `/liveness` (a constant), and
+`/health` from the answer the ingress publishes into shared memory after each status read.
+Anything else (a path it does not know, a request whose token it cannot accept itself) it asks
+the ingress for, over a channel, so every other answer is the ingress's own, as before.
 
 `/health` depends on the ingress's heartbeat: the ingress's event loop writes the time every
 `HEARTBEAT_S`; once that is older than `stale_after_s`, `/health` answers `stale` (503): an
@@ -19,7 +24,8 @@ ingress whose loop has not run for that long answers no request, so it should ta
 `/liveness` does not: a liveness probe that fails gets the container restarted, which under a
 burst would throw away the work in flight and add a cold start to the overload. The process
 answers `/liveness` while the replica's process lives; a replica that hangs is Serve's to replace
-(its health check), and the probe process ends with it.
+(its health check), and the probe process ends with it. A probe process that ended alone
+(killed) fails the ingress's health check in turn (`RolloutIngress.check_health`).
 """
 
 from __future__ import annotations
