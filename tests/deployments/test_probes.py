@@ -68,19 +68,30 @@ def test_a_closed_server_frees_its_port():
 
 
 TOKEN = "probe-secret"
+# GETs /liveness and /health on port argv[1] for argv[2] seconds; prints each poll's start, its
+# seconds less those the poller itself waited for a core (Linux's schedstat: on a loaded machine the
+# poller's own turn is no part of the server's answer), its path and status.
 POLLER = """
-import http.client, json, sys, time
+import http.client, json, sys, threading, time
 port, duration = int(sys.argv[1]), float(sys.argv[2])
+def waited():
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
 connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
 polls = []
 print("ready", flush=True)
 end = time.monotonic() + duration
 while time.monotonic() < end:
     for path in ("/liveness", "/health"):
-        start = time.monotonic()
+        start, waited_before = time.monotonic(), waited()
         connection.request("GET", path, headers={"Authorization": "Bearer " + sys.argv[3]})
         answer = connection.getresponse()
-        polls.append([start, time.monotonic() - start, path, answer.status, answer.read().decode()])
+        answer.read()
+        seconds = time.monotonic() - start - (waited() - waited_before)
+        polls.append([start, seconds, path, answer.status])
     time.sleep(0.02)
 print(json.dumps(polls), flush=True)
 """
@@ -134,9 +145,10 @@ def test_the_process_answers_what_it_holds_without_asking():
 
 
 def test_answers_within_half_a_second_while_this_process_holds_its_interpreter_lock():
-    """What the probe port's process defends against (issue 46: a thread of the ingress answered in
-    4.4 s under a burst). A thread here would wait the whole 2 s hold; the process answers in
-    milliseconds, so the 0.5 s bound holds with a wide margin even on a loaded machine."""
+    """What the probe port's process defends against: a thread of this process (the port's first
+    form) waits out the whole hold (1.1 s for a 1.1 s hold, measured); the process answers in
+    milliseconds, so the 0.5 s bound holds with a wide margin, also on a loaded machine, since the
+    poller's own waits for a core are taken out."""
     port = free_port()
     server = _published(port, [])
     poller = subprocess.Popen(
@@ -154,9 +166,9 @@ def test_answers_within_half_a_second_while_this_process_holds_its_interpreter_l
         if poller.poll() is None:
             poller.kill()
     polls = json.loads(output)
-    during = [poll for poll in polls if held_from <= poll[0] and poll[0] + poll[1] <= held_until]
+    during = [poll for poll in polls if held_from <= poll[0] < held_until]
     assert held_s > 0.6 and len(during) >= 5, (held_s, len(during))
-    assert {(path, status) for _, _, path, status, _ in polls} == {("/liveness", 200), ("/health", 200)}
+    assert {(path, status) for _, _, path, status in polls} == {("/liveness", 200), ("/health", 200)}
     assert max(seconds for _, seconds, *_ in polls) < 0.5, sorted(seconds for _, seconds, *_ in polls)[-5:]
 
 
