@@ -18,7 +18,6 @@ from deployments.bodies import BodyReader
 from deployments.config import RolloutAppConfig
 from deployments.dispatch import Dispatcher, ServeWorkers
 from deployments.load import outstanding_samples
-from deployments.probes import ProbeServer
 from deployments.scoring import ServeScorers
 from deployments.routes import discovery, generate, health, memory, mount, operator_paths, weights
 
@@ -53,7 +52,7 @@ class RolloutIngress(*CONCERNS):
         self.started = int(time.time())
         self.dispatcher = Dispatcher(ServeWorkers(worker), config, outstanding_samples, ServeScorers(scorers or {}))
         self.worker_status = health.WorkerStatus(asyncio.get_running_loop(), worker)
-        self._probes = None if config.probe_port is None else ProbeServer(config.probe_host, config.probe_port, self.probe)
+        self._probes = None if config.probe_port is None else self.open_probe_port()
         # `serve run config.yaml` says nothing after "Submitted deploy config successfully.": this is
         # the line in its terminal that says what is served (Serve prints replicas' logs there).
         self._announced = asyncio.create_task(self._announce())
@@ -70,6 +69,11 @@ class RolloutIngress(*CONCERNS):
             "rollout app %r up on %s: model %s, %d worker replica(s); %s (/health answers 200 once a worker runs)",
             config.app_name, url or "no HTTP route", config.model.described(), config.num_worker_replicas, probes,
         )
+
+    def check_health(self) -> None:
+        """Serve's periodic check: a probe port whose process ended (killed) has the replica replaced."""
+        if self._probes is not None and not self._probes.running:
+            raise RuntimeError("the probe port's process ended")
 
     def __del__(self):
         if self._probes is not None:
