@@ -11,7 +11,7 @@ tests), so it is tested without Serve, as `deployments/batching.py` is:
   `max_queued_cost`, unless its client stays within its fair share of it (`Dispatcher._admit`),
   or while the server stops (`StoppingError`). A request counts from its admission until the
   workers have answered every part sent (sampled, failed or cancelled), whether or not anyone
-  fetched it: over HTTP and through the handle alike;
+  fetched it: over HTTP and through the handle alike (over HTTP, at once when all are fetched);
 - send: each chunk's replica is chosen before the next chunk is sent, so that the router sees that
   replica's new load when it places the next one; each chunk carries the count of the other
   samples this ingress has in flight (`SamplingWork.companions_in_flight`), so that an idle worker
@@ -343,12 +343,19 @@ class Dispatcher:
     async def dispatch(self, plan: RolloutPlan, deadline: float, client: str = HANDLE_CLIENT) -> RolloutResult:
         """Costs the plan (`InvalidRequestError` past `limits.max_request_cost`), admits it for
         `client` and sends its chunks before `deadline` (`DeadlineExceededError`); interrupted, it
-        cancels what it sent."""
+        cancels what it sent. Its cost counts until the workers have answered every part."""
+        result, _ = await self._dispatched(plan, deadline, client)
+        return result
+
+    async def _dispatched(self, plan: RolloutPlan, deadline: float, client: str) -> tuple[RolloutResult, Callable[[], None]]:
+        """`dispatch`'s result, and the release of its cost for a caller who knows before the
+        workers' answers are seen that every part is answered: it fetched them all."""
         facts = await self.cost_facts()
         cost = checked_cost(plan, facts, self.config.limits)
         works = cut_into_work(plan, self.config.num_worker_replicas, self.config.max_batch_size, deadline)
-        parts = await within_deadline(self._admitted_and_sent(works, cost, client, self.config.queued_cost_limit(facts)), deadline)
-        return RolloutResult(
+        budget = self.config.queued_cost_limit(facts)
+        parts, release = await within_deadline(self._admitted_and_sent(works, cost, client, budget), deadline)
+        result = RolloutResult(
             plan.request_id,
             plan.seed,
             plan.num_outputs_per_prompt,
@@ -359,14 +366,16 @@ class Dispatcher:
             cost,
             None if plan.rewards is None else RequestScoring(plan.rewards, plan.num_outputs_per_prompt, self.scorers, self.config.scorers),
         )
+        return result, release
 
     async def _admitted_and_sent(
         self, works: list[SamplingWork], cost: RequestCost, client: str, budget: int
-    ) -> list[tuple[SamplingWork, Any]]:
-        """Each work, admitted and stamped with its companions, and its part on a worker replica.
-        Admission and the first stamp run in one step of the event loop: what another request
-        admits meanwhile is counted as in flight only for the chunks sent after it. The request's
-        cost counts until every part sent is answered, however this ends."""
+    ) -> tuple[list[tuple[SamplingWork, Any]], Callable[[], None]]:
+        """Each work, admitted and stamped with its companions, and its part on a worker replica;
+        and the release of its cost. Admission and the first stamp run in one step of the event
+        loop: what another request admits meanwhile is counted as in flight only for the chunks
+        sent after it. The request's cost counts until every part sent is answered, however this
+        ends."""
         self._admit(cost.token_steps, client, budget)
         self._routing_samples += sum(len(work) for work in works)
         stamped: list[SamplingWork] = []
@@ -384,20 +393,25 @@ class Dispatcher:
             raise
         finally:
             self._routing_samples -= sum(len(work) for work in works[len(parts) :])
-            self._release_when_answered(parts, client, cost.token_steps)
-        return list(zip(stamped, parts))
+            release = self._release_when_answered(parts, client, cost.token_steps)
+        return list(zip(stamped, parts)), release
 
-    def _release_when_answered(self, parts: list[Any], client: str, token_steps: int) -> None:
-        """Stops counting `token_steps` against `client` once the workers have answered every part."""
+    def _release_when_answered(self, parts: list[Any], client: str, token_steps: int) -> Callable[[], None]:
+        """Stops counting `token_steps` against `client` once the workers have answered every part
+        (polled: `ANSWERED_POLL_S`), or when the returned release is called, whichever comes first;
+        the second is a no-op."""
+        released = False
 
         def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
             self.cost_in_flight[client] -= token_steps
             if self.cost_in_flight[client] <= 0:
                 del self.cost_in_flight[client]
-
-        if not parts:
-            release()
-            return
+            if parts and asyncio.current_task() is not watcher:  # its polling is no longer needed
+                watcher.cancel()
 
         async def released_when_answered() -> None:
             try:
@@ -405,9 +419,13 @@ class Dispatcher:
             finally:  # also when the event loop closes with the parts unanswered: nothing outlives it
                 release()
 
-        task = asyncio.ensure_future(released_when_answered())
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        if not parts:
+            release()
+            return release
+        watcher = asyncio.ensure_future(released_when_answered())
+        self._releases.add(watcher)
+        watcher.add_done_callback(self._releases.discard)
+        return release
 
     async def sampled(self, plan: RolloutPlan, client: str) -> FetchedRollout:
         """The plan's parts, sampled for `client` and fetched here (the HTTP path), within the plan's
@@ -416,9 +434,12 @@ class Dispatcher:
         deadline = self.deadline(plan)
 
         async def dispatched_and_fetched() -> FetchedRollout:
-            result = self.unscored.take(plan) or await self.dispatch(plan, deadline, client)
+            kept = self.unscored.take(plan)  # sampled before: admitted then, and answered
+            result, release = (kept, lambda: None) if kept else await self._dispatched(plan, deadline, client)
             try:
-                return await within_deadline(result.fetch_async(), deadline)
+                fetched = await within_deadline(result.fetch_async(), deadline)
+                release()  # every part fetched: the next request of this client sees its cost gone
+                return fetched
             except ScorerError as error:
                 if not self.unscored.keep(plan, result):
                     raise
