@@ -202,7 +202,8 @@ def test_a_request_over_its_cost_limit_is_refused_at_once_naming_what_drives_it(
     # FLUX.1-dev's published facts: 1024 px, 16 px a token (VAE 8 x packing 2), classifier-free
     # guidance only with true_cfg_scale. The 341 samples at 1024x1024 and 100 steps.
     flux = CostFacts(1024, 1024, 1, 3.5, 16, 1, NegativeBranchRule("true_cfg_scale"))
-    body = {"prompt": [str(d) for d in range(11)], "num_outputs_per_prompt": 31, "height": 1024, "width": 1024, "num_inference_steps": 100}
+    size = {"height": 1024, "width": 1024}
+    body = {"prompt": [str(d) for d in range(11)], "num_outputs_per_prompt": 31, **size, "num_inference_steps": 100}
     started = time.perf_counter()
     with pytest.raises(InvalidRequestError) as caught:
         checked_cost(plan(body), flux, LIMITS)

@@ -350,7 +350,8 @@ def test_values_that_would_make_non_finite_outputs_are_a_400_naming_the_limit(ht
 def test_a_request_over_its_cost_limit_is_a_quick_400_and_every_answer_carries_its_cost(http, base_url):
     # 32 samples at 1024x1024 and 50 steps: within every other limit of the test app, and costed by
     # the embedded model's facts (2 px a token, guided by default) at 847M token-steps.
-    body = {"prompt": [str(d) for d in range(4)], "num_outputs_per_prompt": 8, "height": 1024, "width": 1024, "num_inference_steps": 50}
+    size = {"height": 1024, "width": 1024}
+    body = {"prompt": [str(d) for d in range(4)], "num_outputs_per_prompt": 8, **size, "num_inference_steps": 50}
     http.post(f"{base_url}/rollout/generate", json=body)  # the first asks a worker for the cost facts
     started = time.perf_counter()
     response = http.post(f"{base_url}/rollout/generate", json=body)

@@ -198,7 +198,8 @@ def test_a_part_lost_on_every_try_is_a_retryable_error(ray_cluster):
             resent.append(work)
             return doomed.ping.remote()
 
-    result = RolloutResult("r", 0, 1, ("work",), (doomed.ping.remote(),), DeadWorkers(), max_attempts=3, request_cost=RequestCost(1))
+    parts = (doomed.ping.remote(),)
+    result = RolloutResult("r", 0, 1, ("work",), parts, DeadWorkers(), max_attempts=3, request_cost=RequestCost(1))
     with pytest.raises(WorkerLostError, match="lost 3 times") as caught:
         result.fetch()
     assert resent == ["work", "work"] and caught.value.retry_after_s == 1
