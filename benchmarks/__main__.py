@@ -51,10 +51,11 @@ STEPS = 20
 LIGHT = {"num_inference_steps": STEPS, "rollout_debug_mode": False}
 HEAVY = {**LIGHT, "rollout_debug_mode": True, "rollout_return_dit_trajectory": True}
 # Room for a 128-leaf tree request beside work still finishing from the section before it (the
-# default admits 4 batches, 128 samples, in all).
+# default admits 4 batches, 128 samples, in all): 512 of the embedded model's samples, each 64
+# tokens x 2 guided branches x STEPS and 64 decoded (rollout/cost.py).
 ONE_REPLICA = {
-    "num_worker_replicas": 1, "worker_num_cpus": 1, "worker_torch_threads": 1, "max_batch_size": 32, "max_queued_samples": 512,
-    "scorers": {},
+    "num_worker_replicas": 1, "worker_num_cpus": 1, "worker_torch_threads": 1, "max_batch_size": 32,
+    "max_queued_cost": 512 * (64 * 2 * STEPS + 64), "scorers": {},
 }  # fmt: skip
 # Parts of 8 samples: the first is scored while the other seven are sampled.
 REWARDS_APP = {**ONE_REPLICA, "max_batch_size": 8}

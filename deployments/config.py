@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -35,6 +35,9 @@ from rollout.plan import RequestLimits
 from rollout.schema import RequestValidation
 from rollout.scorers.registry import BUILT_IN as BUILT_IN_SCORERS
 from rollout.weights import weight_version_problem
+
+if TYPE_CHECKING:
+    from rollout.cost import CostFacts
 
 AUTH_TOKEN_ENV = "ROLLOUT_AUTH_TOKEN"
 
@@ -279,11 +282,13 @@ class RolloutAppConfig(BaseModel):
     worker_retry_attempts: int = Field(
         3, ge=1, description="Tries of a request's part whose worker replica dies (sampling is seeded: same bits)."
     )
-    max_queued_samples: int | None = Field(
+    max_queued_cost: int | None = Field(
         None,
         ge=1,
-        description="Samples admitted and not yet sampled beyond which requests are refused with 503 (HTTP) "
-        "or OverloadedError (handle); None: 4 full batches per worker replica.",
+        description="Token-steps (rollout/cost.py) of the requests the ingress admitted whose parts the workers "
+        "have not all answered, beyond which requests are refused with 503 (HTTP) or OverloadedError (handle), "
+        "unless their client stays within its fair share (this over the clients with work in flight); None: 4 "
+        "full batches per worker replica of samples at the model's defaults and limits.default_inference_steps.",
     )
     scorers: dict[str, ScorerConfig] = Field(
         default_factory=dict,
@@ -422,8 +427,12 @@ class RolloutAppConfig(BaseModel):
                 raise ValueError(f"names are 1-64 letters, digits, '_', '.' or '-', got {short_repr(name)}")
         return scorers
 
-    def queued_samples_limit(self) -> int:
-        return self.max_queued_samples or 4 * self.num_worker_replicas * self.max_batch_size
+    def queued_cost_limit(self, facts: CostFacts) -> int:
+        """`max_queued_cost`, else its default for the model `facts` describe."""
+        if self.max_queued_cost is not None:
+            return self.max_queued_cost
+        samples = 4 * self.num_worker_replicas * self.max_batch_size
+        return samples * facts.sample_cost(self.limits.default_inference_steps).token_steps
 
     def max_ongoing_requests_per_worker(self) -> int:
         # Serve caps a replica's batch at its ongoing requests: allow a full batch of

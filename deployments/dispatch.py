@@ -5,8 +5,13 @@ Plain asyncio over `Workers` (the worker deployment's handle in the application,
 tests), so it is tested without Serve, as `deployments/batching.py` is:
 - chunk: a plan's samples are cut into chunks that give every worker replica a share, none larger
   than a worker's batch (`deployments/work.py`'s `cut_into_work`);
-- admit: a request is refused while its samples would queue more than `max_queued_samples`
-  (`OverloadedError`), or while the server stops (`StoppingError`);
+- cost: a request is costed in token-steps (`rollout.cost`, by the served model's `CostFacts`,
+  asked of a worker replica once) and refused past `limits.max_request_cost` (`checked_cost`);
+- admit: a request is refused while the cost of the requests in flight would pass the app's
+  `max_queued_cost`, unless its client stays within its fair share of it (`Dispatcher._admit`),
+  or while the server stops (`StoppingError`). A request counts from its admission until the
+  workers have answered every part sent (sampled, failed or cancelled), whether or not anyone
+  fetched it: over HTTP and through the handle alike (over HTTP, at once when all are fetched);
 - send: each chunk's replica is chosen before the next chunk is sent, so that the router sees that
   replica's new load when it places the next one; each chunk carries the count of the other
   samples this ingress has in flight (`SamplingWork.companions_in_flight`), so that an idle worker
@@ -37,7 +42,7 @@ import asyncio
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
@@ -49,19 +54,23 @@ from deployments.ray_private import object_ref, object_store_bytes
 from deployments.retries import asked_until_not_lost
 from deployments.scoring import RequestScoring, RewardTimes, Scorers
 from deployments.work import DeadlineExceededError, SamplingWork, ServiceUnavailableError, WorkerResult, cut_into_work
-from rollout.cost import TransformerCost
+from rollout.cost import COST_UNIT, CostFacts, RequestCost, TransformerCost
 from rollout.errors import RolloutError, ScorerError
-from rollout.plan import RolloutPlan
+from rollout.plan import RolloutPlan, checked_cost
 from rollout.trajectory import RolloutBatch
 
 T = TypeVar("T")
 
 # What a lost worker replica (or a lost ingress, which owned the references) looks like to a caller.
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+# The client key of requests through the handle without a client id of their own.
+HANDLE_CLIENT = "handle"
+# How often the ingress asks Ray whether a request's parts are answered, to stop counting its cost.
+ANSWERED_POLL_S = 0.1
 
 
 class OverloadedError(ServiceUnavailableError):
-    """Admitting the request would queue more samples than `max_queued_samples` allows."""
+    """Admitting the request would pass `max_queued_cost`, and its client's fair share of it."""
 
 
 class StoppingError(ServiceUnavailableError):
@@ -89,6 +98,14 @@ class Workers(Protocol):
         being sampled."""
         ...
 
+    async def answered(self, parts: Sequence[Any]) -> None:
+        """Returns once every part is answered (sampled, failed or cancelled), without fetching any."""
+        ...
+
+    async def cost_facts(self) -> CostFacts:
+        """The served model's `CostFacts`, from a worker replica."""
+        ...
+
 
 @dataclass(frozen=True)
 class ServeWorkers:
@@ -102,6 +119,18 @@ class ServeWorkers:
     def cancel(self, part: ray.ObjectRef) -> None:
         ray.cancel(part)
 
+    async def answered(self, parts: Sequence[ray.ObjectRef]) -> None:
+        # ray.wait with timeout 0 does not block the event loop, and fetch_local=False leaves the
+        # results where they are: the trainer fetches them on the handle's path.
+        pending = list(parts)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0, fetch_local=False)
+            if pending:
+                await asyncio.sleep(ANSWERED_POLL_S)
+
+    async def cost_facts(self) -> CostFacts:
+        return await self.handle.cost_facts.remote()
+
 
 @dataclass(frozen=True)
 class FetchedRollout:
@@ -109,10 +138,12 @@ class FetchedRollout:
 
     Attributes:
         parts: one `WorkerResult` per part, in request order.
+        request_cost: what the request cost, in token-steps, as it was admitted (`rollout.cost`).
         reward_times: the request's scoring times; None when it asked for no rewards.
     """
 
     parts: list[WorkerResult]
+    request_cost: RequestCost
     reward_times: RewardTimes | None = None
 
     def batch(self) -> RolloutBatch:
@@ -134,7 +165,8 @@ class RolloutResult:
     A part lost with its worker replica or with the ingress is sampled again by whoever fetches it,
     unless the request's `deadline` has passed (the worker refuses it: `DeadlineExceededError`).
     Parts sampled in time are fetched whenever the caller asks: sampled work is never thrown away.
-    `transformer_cost()` says what the request cost the transformer and what a tree saved.
+    `transformer_cost()` says what the request cost the transformer and what a tree saved;
+    `request_cost`, what it was admitted as, in token-steps (`rollout.cost`).
     """
 
     request_id: str
@@ -144,6 +176,7 @@ class RolloutResult:
     parts: tuple[Any, ...]
     workers: Workers
     max_attempts: int
+    request_cost: RequestCost
     scoring: RequestScoring | None = None
 
     async def fetch_async(self, timeout_s: float | None = None) -> FetchedRollout:
@@ -154,7 +187,7 @@ class RolloutResult:
             return await self._fetched_unscored(timeout_s)
         scored = self.scoring.scored(self._fetches(), [len(work) for work in self.works])
         parts, reward_times = await self._in_time(scored, timeout_s)
-        return FetchedRollout(parts, reward_times)
+        return FetchedRollout(parts, self.request_cost, reward_times)
 
     async def batch_async(self, timeout_s: float | None = None) -> RolloutBatch:
         return (await self.fetch_async(timeout_s)).batch()
@@ -183,7 +216,7 @@ class RolloutResult:
             self.workers.cancel(part)
 
     async def _fetched_unscored(self, timeout_s: float | None) -> FetchedRollout:
-        return FetchedRollout(await self._in_time(_gathered(self._fetches()), timeout_s))
+        return FetchedRollout(await self._in_time(_gathered(self._fetches()), timeout_s), self.request_cost)
 
     def _fetches(self) -> list[Awaitable[WorkerResult]]:
         """Each part's fetch, in request order."""
@@ -307,7 +340,7 @@ class Dispatcher:
 
     Args:
         workers: where the parts are sampled.
-        config: the app's limits (chunking, queue, retries, deadlines, shutdown grace).
+        config: the app's limits (request cost, queue, chunking, retries, deadlines, shutdown grace).
         queued_on_workers: the samples sent to the workers and not yet answered (the router's count).
         scorers: where the samples of requests that ask for rewards are scored.
     """
@@ -325,6 +358,10 @@ class Dispatcher:
         self.config = config
         self._queued_on_workers = queued_on_workers
         self._routing_samples = 0  # admitted, not yet placed on a worker replica
+        # Token-steps of the requests admitted whose parts are not all answered, by client.
+        self.cost_in_flight: Counter[str] = Counter()
+        self._releases: set[asyncio.Task] = set()  # each waits for a request's parts, then releases its cost
+        self._cost_facts: CostFacts | None = None
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -335,12 +372,29 @@ class Dispatcher:
     def deadline(self, plan: RolloutPlan) -> float:
         return time.time() + (plan.request.rollout_timeout_s or self.config.request_timeout_s)
 
-    async def dispatch(self, plan: RolloutPlan, deadline: float) -> RolloutResult:
-        """Admits the plan's samples and sends its chunks before `deadline`
-        (`DeadlineExceededError`); interrupted, it cancels what it sent."""
+    async def cost_facts(self) -> CostFacts:
+        """The served model's `CostFacts`, asked of a worker replica on first use and kept: they
+        change only with the model, and a new model is a new application."""
+        if self._cost_facts is None:
+            self._cost_facts = await self.workers.cost_facts()
+        return self._cost_facts
+
+    async def dispatch(self, plan: RolloutPlan, deadline: float, client: str = HANDLE_CLIENT) -> RolloutResult:
+        """Costs the plan (`InvalidRequestError` past `limits.max_request_cost`), admits it for
+        `client` and sends its chunks before `deadline` (`DeadlineExceededError`); interrupted, it
+        cancels what it sent. Its cost counts until the workers have answered every part."""
+        result, _ = await self._dispatched(plan, deadline, client)
+        return result
+
+    async def _dispatched(self, plan: RolloutPlan, deadline: float, client: str) -> tuple[RolloutResult, Callable[[], None]]:
+        """`dispatch`'s result, and the release of its cost for a caller who knows before the
+        workers' answers are seen that every part is answered: it fetched them all."""
+        facts = await self.cost_facts()
+        cost = checked_cost(plan, facts, self.config.limits)
         works = cut_into_work(plan, self.config.num_worker_replicas, self.config.max_batch_size, deadline)
-        parts = await within_deadline(self._admitted_and_sent(works), deadline)
-        return RolloutResult(
+        budget = self.config.queued_cost_limit(facts)
+        parts, release = await within_deadline(self._admitted_and_sent(works, cost, client, budget), deadline)
+        result = RolloutResult(
             plan.request_id,
             plan.seed,
             plan.num_outputs_per_prompt,
@@ -348,14 +402,21 @@ class Dispatcher:
             tuple(part for _, part in parts),
             self.workers,
             self.config.worker_retry_attempts,
+            cost,
             None if plan.rewards is None else RequestScoring(plan.rewards, plan.num_outputs_per_prompt, self.scorers, self.config.scorers),
         )
+        return result, release
 
-    async def _admitted_and_sent(self, works: list[SamplingWork]) -> list[tuple[SamplingWork, Any]]:
-        """Each work, admitted and stamped with its companions, and its part on a worker replica.
-        Admission and the first stamp run in one step of the event loop: what another request
-        admits meanwhile is counted as in flight only for the chunks sent after it."""
-        self._admit(sum(len(work) for work in works))
+    async def _admitted_and_sent(
+        self, works: list[SamplingWork], cost: RequestCost, client: str, budget: int
+    ) -> tuple[list[tuple[SamplingWork, Any]], Callable[[], None]]:
+        """Each work, admitted and stamped with its companions, and its part on a worker replica;
+        and the release of its cost. Admission and the first stamp run in one step of the event
+        loop: what another request admits meanwhile is counted as in flight only for the chunks
+        sent after it. The request's cost counts until every part sent is answered, however this
+        ends."""
+        self._admit(cost.token_steps, client, budget)
+        self._routing_samples += sum(len(work) for work in works)
         stamped: list[SamplingWork] = []
         parts: list[Any] = []
         try:
@@ -371,18 +432,53 @@ class Dispatcher:
             raise
         finally:
             self._routing_samples -= sum(len(work) for work in works[len(parts) :])
-        return list(zip(stamped, parts))
+            release = self._release_when_answered(parts, client, cost.token_steps)
+        return list(zip(stamped, parts)), release
 
-    async def sampled(self, plan: RolloutPlan) -> FetchedRollout:
-        """The plan's parts, sampled and fetched here (the HTTP path), within the plan's deadline and
-        the server's shutdown grace; interrupted, the work still queued is cancelled. Parts whose
-        scoring failed are kept for the same request sent again (`UnscoredResults`)."""
+    def _release_when_answered(self, parts: list[Any], client: str, token_steps: int) -> Callable[[], None]:
+        """Stops counting `token_steps` against `client` once the workers have answered every part
+        (polled: `ANSWERED_POLL_S`), or when the returned release is called, whichever comes first;
+        the second is a no-op."""
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            self.cost_in_flight[client] -= token_steps
+            if self.cost_in_flight[client] <= 0:
+                del self.cost_in_flight[client]
+            if parts and asyncio.current_task() is not watcher:  # its polling is no longer needed
+                watcher.cancel()
+
+        async def released_when_answered() -> None:
+            try:
+                await self.workers.answered(parts)
+            finally:  # also when the event loop closes with the parts unanswered: nothing outlives it
+                release()
+
+        if not parts:
+            release()
+            return release
+        watcher = asyncio.ensure_future(released_when_answered())
+        self._releases.add(watcher)
+        watcher.add_done_callback(self._releases.discard)
+        return release
+
+    async def sampled(self, plan: RolloutPlan, client: str) -> FetchedRollout:
+        """The plan's parts, sampled for `client` and fetched here (the HTTP path), within the plan's
+        deadline and the server's shutdown grace; interrupted, the work still queued is cancelled.
+        Parts whose scoring failed are kept for the same request sent again (`UnscoredResults`)."""
         deadline = self.deadline(plan)
 
         async def dispatched_and_fetched() -> FetchedRollout:
-            result = self.unscored.take(plan) or await self.dispatch(plan, deadline)
+            kept = self.unscored.take(plan)  # sampled before: admitted then, and answered
+            result, release = (kept, lambda: None) if kept else await self._dispatched(plan, deadline, client)
             try:
-                return await within_deadline(result.fetch_async(), deadline)
+                fetched = await within_deadline(result.fetch_async(), deadline)
+                release()  # every part fetched: the next request of this client sees its cost gone
+                return fetched
             except ScorerError as error:
                 if not self.unscored.keep(plan, result):
                     raise
@@ -397,19 +493,36 @@ class Dispatcher:
 
         return await self._unless_stopped(dispatched_and_fetched())
 
-    def _admit(self, samples: int) -> None:
-        """Counts `samples` as queued, or refuses them if the queue would pass its limit (a request
-        larger than the limit is still admitted to an empty queue)."""
+    def _admit(self, cost: int, client: str, budget: int) -> None:
+        """Counts `cost` against `client`, or refuses it (`OverloadedError`, naming the limit).
+
+        Admitted while everything in flight plus `cost` fits `budget` (so a lone client may use all
+        of it, and a request larger than the budget is still admitted to an empty queue), or while
+        the client's own cost in flight plus `cost` fits its fair share, budget / n with n the
+        clients with work in flight, itself counted: one client's backlog cannot refuse a newcomer.
+        Admissions by share stop at twice the budget: that is the most ever in flight, but for one
+        request larger than the budget alone."""
         if self._stopping.is_set():
             raise StoppingError("the server is stopping; send it again once it is back")
-        queued = self._queued_on_workers() + self._routing_samples
-        limit = self.config.queued_samples_limit()
-        if queued and queued + samples > limit:
-            raise OverloadedError(
-                f"{queued} samples are queued and this request adds {samples}, over the limit of {limit} "
-                "(max_queued_samples in the app config); send it again shortly"
+        in_flight = sum(self.cost_in_flight.values())
+        if in_flight and in_flight + cost > budget:
+            clients = len(self.cost_in_flight.keys() | {client})
+            share, own = budget // clients, self.cost_in_flight[client]
+            queue = (
+                f"this ingress has {in_flight:,} {COST_UNIT} in flight and this request costs {cost:,}, "
+                f"over max_queued_cost ({budget:,})"
             )
-        self._routing_samples += samples
+            if own + cost > share:
+                raise OverloadedError(
+                    f"{queue}, and over this client's fair share of it ({share:,}: 1/{clients}, with {clients} "
+                    f"clients' work in flight), of which it has {own:,} in flight; send it again shortly"
+                )
+            if in_flight + cost > 2 * budget:
+                raise OverloadedError(
+                    f"{queue}, and over twice it ({2 * budget:,}), the most admitted within clients' fair "
+                    "shares; send it again shortly"
+                )
+        self.cost_in_flight[client] += cost
 
     async def _unless_stopped(self, work: Coroutine[Any, Any, T]) -> T:
         """`work`'s result, unless the server stops and it does not finish within half the shutdown

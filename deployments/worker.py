@@ -26,7 +26,7 @@ from deployments.work import (
     WorkerResult,
 )
 from rollout.calibration import CALIBRATION_PROMPT, CALIBRATION_STEPS, UNGUIDED, require_batch_invariance
-from rollout.cost import transformer_cost
+from rollout.cost import CostFacts, transformer_cost
 from rollout.errors import NonFiniteOutputError, RolloutError, SamplingAbandoned
 from rollout.kernels import BatchInvariance
 from rollout.models.base import RolloutPipeline
@@ -162,6 +162,10 @@ class RolloutWorker:
             "image_size_limits": self.pipeline.image_size_limits.describe(),
             "device": str(self.pipeline.device),
         }
+
+    def cost_facts(self) -> CostFacts:
+        """What the ingress, which loads no model, needs to cost requests for this model."""
+        return CostFacts.of(self.pipeline)
 
     async def generate(self, work: SamplingWork) -> WorkerResult:
         """Samples `work` (cut by the ingress to at most `max_batch_size` samples, `cut_into_work`),

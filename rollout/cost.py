@@ -1,7 +1,27 @@
-"""What a request cost the transformer, and what it would have cost unbranched.
+"""What a request costs: before it is sampled, in token-steps (`RequestCost`, what the ingress
+limits and admits by), and after, in transformer rows (`TransformerCost`, what a response reports).
 
-Both figures count rows the way `SamplerCall.transformer_rows` does: a row is one node's place in
-one transformer call at one step, padding included (classifier-free guidance's second branch,
+A request's cost in token-steps. A token-step is one transformer token of one sample carried
+through one denoising step; a request's token-steps, from its fields and the served model's
+`CostFacts` alone (no model loaded, nothing sampled):
+- denoising: tokens per sample x the rows of every step (a tree's live nodes, `tree_rows`, not
+  padded: the cost is the request's own, whatever it is batched with) x 2 where the options run
+  classifier-free guidance's negative branch (in the same call, as SD3 does, or in a second one,
+  as FLUX.1 with `true_cfg_scale`, Qwen-Image and Wan do: the transformer's work doubles either
+  way);
+- decoding: the VAE counted by the pixels and frames it decodes, at the weight of one transformer
+  step over a token grid of that size for each output frame (per sample: num_frames x
+  (height / token_pixels) x (width / token_pixels)). A rough weight, not a measurement: it keeps
+  the decode a small share of a request (1/T of an unguided image's denoising over T steps, a
+  few times that for a video, whose frames outnumber its latent frames), never nothing.
+Attention makes a step cost more than linear in tokens; the cost stays linear, so that it adds
+up over samples and requests as the queue does. Its one use is to compare requests of one served
+model (`RequestLimits.max_request_cost`, the app's `max_queued_cost`): a token-step of one family
+is not a token-step of another in seconds.
+
+What a request cost the transformer, in rows: both figures count rows the way
+`SamplerCall.transformer_rows` does: a row is one node's place in one transformer call at one
+step, padding included (classifier-free guidance's second branch,
 computed in the same call where the family batches both, is not a row of its own).
 - `transformer_rows`: at each step, the live nodes (`rollout.tree`: a root runs steps 0 .. s_1, a
   child created at s_d runs s_d + 1 .. s_{d+1}), padded to whole calls of `micro_batch_size`
@@ -29,13 +49,86 @@ prompts fall in several buckets, the padding of those extra calls is not counted
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from rollout.models.base import RolloutPipeline
+from rollout.models.base import NegativeBranchRule, RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, resolve_options
-from rollout.tree import TreeRoot
+from rollout.tree import Branching, TreeRoot, roots_of
+
+COST_UNIT = "token-steps"
+
+
+@dataclass(frozen=True)
+class RequestCost:
+    """A request's cost in token-steps (this module's docstring says what one is), computed once
+    when it is planned, from its fields and the served model's `CostFacts`."""
+
+    token_steps: int
+
+
+@dataclass(frozen=True)
+class CostFacts:
+    """What costing a request needs of the served model, as data: the ingress loads no model, so a
+    worker replica sends these once (`CostFacts.of` its pipeline) and the ingress costs every
+    request with them.
+
+    Attributes:
+        default_height, default_width, default_num_frames, default_guidance_scale: the model's
+            defaults, filled in where a request leaves the field out (`resolve_options`).
+        token_pixels: the pixels a side of one transformer token covers (VAE downsampling x patch).
+        frames_per_latent: the video frames a latent frame after the first stands for; 1 for an
+            image model. (Every video family served takes one latent frame a token along time.)
+        negative_branch: when classifier-free guidance's negative branch runs.
+    """
+
+    default_height: int
+    default_width: int
+    default_num_frames: int
+    default_guidance_scale: float
+    token_pixels: int
+    frames_per_latent: int
+    negative_branch: NegativeBranchRule
+
+    @classmethod
+    def of(cls, pipeline: RolloutPipeline) -> "CostFacts":
+        return cls(
+            pipeline.default_height,
+            pipeline.default_width,
+            pipeline.default_num_frames,
+            pipeline.default_guidance_scale,
+            pipeline.token_pixels,
+            pipeline.frames_per_latent,
+            pipeline.negative_branch,
+        )
+
+    def tokens_per_sample(self, height: int, width: int, num_frames: int) -> int:
+        """The transformer tokens of one sample: latent frames x token rows x token columns
+        (rounded up: a size the model cannot make is refused by the worker, not costed low)."""
+        latent_frames = math.ceil((num_frames - 1) / self.frames_per_latent) + 1
+        return latent_frames * self._token_grid(height, width)
+
+    def request_cost(self, roots: Sequence[TreeRoot], options: SamplingOptions) -> RequestCost:
+        """What sampling `roots` with `options` costs, in token-steps."""
+        # The facts carry the defaults under the pipeline's attribute names: the one function that
+        # fills them in fills them in here too.
+        options = resolve_options(self, options)  # type: ignore[arg-type]
+        tokens = self.tokens_per_sample(options.height, options.width, options.num_frames)
+        branches = 2 if self.negative_branch.runs(options) else 1
+        rows = tree_rows(roots, options.num_inference_steps, lambda rows: rows)
+        leaves = sum(len(root.leaf_paths()) for root in roots)
+        decoded = leaves * options.num_frames * self._token_grid(options.height, options.width)
+        return RequestCost(rows * branches * tokens + decoded)
+
+    def sample_cost(self, num_inference_steps: int) -> RequestCost:
+        """The cost of one plain sample at the model's defaults: the unit of the app's default budget."""
+        (root,) = roots_of([""], [""], [0], Branching())
+        return self.request_cost([root], SamplingOptions(num_inference_steps=num_inference_steps))
+
+    def _token_grid(self, height: int, width: int) -> int:
+        return math.ceil(height / self.token_pixels) * math.ceil(width / self.token_pixels)
 
 
 @dataclass(frozen=True)

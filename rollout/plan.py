@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.codec import most_encoded_tensor_bytes, most_encoded_text_bytes
+from rollout.cost import COST_UNIT, CostFacts, RequestCost
 from rollout.errors import InvalidRequestError, short_repr
 from rollout.options import MAX_SEED, SamplingOptions, check_seed
 from rollout.sampler import resolve_options
@@ -68,6 +69,17 @@ class RequestLimits(BaseModel):
         ge=1,
         description="Largest response of a request, as JSON encodes it (latents kept, debug tensors, outputs, "
         "conditioning, prompts), computed from its fields and the model before it is sampled.",
+    )
+
+    # In token-steps (`rollout.cost`): 64 guided samples at 1024x1024 and 50 steps cost 26.5M on the
+    # image families, 32 guided 81-frame Wan videos at 480x832 and 50 steps 109M; 341 samples at
+    # 1024x1024 and 100 steps, 141M unguided (docs/http_api.md#what-a-request-costs has the table).
+    max_request_cost: int = Field(
+        128_000_000,
+        ge=1,
+        description=f"Most work one request may ask for, in {COST_UNIT} (rollout/cost.py: samples x the rows "
+        "guidance runs x latent tokens x steps, and the decode), computed from its fields and the served "
+        "model before anything is sampled.",
     )
 
     @model_validator(mode="after")
@@ -188,6 +200,22 @@ def plan_rollout(
         branching=_branching(request, options, max_batch_size),
         rewards=_rewards(request, scorers),
     )
+
+
+def checked_cost(plan: RolloutPlan, facts: CostFacts, limits: RequestLimits) -> RequestCost:
+    """The plan's cost in token-steps, by the served model's `facts`; `InvalidRequestError` naming
+    the fields that drive it if it is over `limits.max_request_cost`. The ingress calls it right
+    after `plan_rollout`, once it has the facts from a worker replica."""
+    cost = facts.request_cost(plan.roots(), plan.options)
+    if cost.token_steps > limits.max_request_cost:
+        frames = ", num_frames" if facts.default_num_frames > 1 else ""
+        raise InvalidRequestError(
+            f"num_outputs_per_prompt, height, width{frames}, num_inference_steps",
+            f"this request costs {cost.token_steps:,} {COST_UNIT}, over limits.max_request_cost "
+            f"({limits.max_request_cost:,}): ask for fewer samples, a smaller size{' or fewer frames' if frames else ''}, "
+            "or fewer steps",
+        )
+    return cost
 
 
 def checked_against_model(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rollout.cost import TransformerCost
+from rollout.cost import RequestCost, TransformerCost
 from rollout.errors import InvalidRequestError
 from rollout.plan import RolloutPlan
 from rollout.schedule import ScheduleSnapshot
@@ -32,6 +32,7 @@ def response_rows(
     peak_memory_mb: float | None = None,
     reward_times: tuple[float, float] | None = None,
     cost: TransformerCost | None = None,
+    request_cost: RequestCost | None = None,
 ) -> list[dict[str, Any]]:
     """One map per sample (a tree's leaf), in request order: SGLang's keys, `inference_time_s`
     the whole request's wall time (the same in every row), then the extensions
@@ -39,7 +40,8 @@ def response_rows(
     branch step; [] unbranched), `branch_seeds` (the seeds of the generators its noise came from,
     root first: `rollout.tree`), `transformer_rows` and `transformer_rows_unbranched` (`cost`: the
     whole request's, the same in every row as `inference_time_s` is; None where not given:
-    `rollout.cost`); with `rollout_reward_models`, `rewards` {scorer: score},
+    `rollout.cost`), `request_cost` (`request_cost`: what the request was admitted as, in token-steps,
+    the same in every row; None where not given); with `rollout_reward_models`, `rewards` {scorer: score},
     `reward_time_s` and `reward_wait_s` (`reward_times`: the request's scoring time, and the part of
     it after sampling) and, with `rollout_advantages`, `advantages` {scorer: advantage}."""
     request = plan.request
@@ -72,6 +74,7 @@ def response_rows(
             "branch_seeds": list(sample.branching.branch_seeds(sample.root_seed, sample.branch_path)),
             "transformer_rows": None if cost is None else cost.transformer_rows,
             "transformer_rows_unbranched": None if cost is None else cost.transformer_rows_unbranched,
+            "request_cost": None if request_cost is None else request_cost.token_steps,
             **_reward_fields(plan, sample, reward_times),
         }
         for i, sample in enumerate(batch.samples)

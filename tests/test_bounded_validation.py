@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import json
 import pickle
+import time
 
 import msgpack
 import pytest
@@ -31,9 +32,11 @@ from rollout.errors import (
     RequestSchemaError,
     UnknownPromptError,
 )
+from rollout.cost import CostFacts, RequestCost
+from rollout.models.base import NegativeBranchRule
 from rollout.models.digits import parse_digit_prompt
 from rollout.options import SamplingOptions
-from rollout.plan import RequestLimits, plan_rollout
+from rollout.plan import RequestLimits, checked_cost, plan_rollout
 from rollout.sampler import sample
 from rollout.schema import parse_request
 
@@ -193,6 +196,27 @@ def test_values_over_a_configured_limit_are_refused_naming_the_field_and_the_lim
     raised = RequestLimits(**{limit_name: value})
     assert getattr(plan({"prompt": "7", field: value}, raised).options, option) == value
 
+
+
+def test_a_request_over_its_cost_limit_is_refused_at_once_naming_what_drives_it():
+    # FLUX.1-dev's published facts: 1024 px, 16 px a token (VAE 8 x packing 2), classifier-free
+    # guidance only with true_cfg_scale. The 341 samples at 1024x1024 and 100 steps.
+    flux = CostFacts(1024, 1024, 1, 3.5, 16, 1, NegativeBranchRule("true_cfg_scale"))
+    size = {"height": 1024, "width": 1024}
+    body = {"prompt": [str(d) for d in range(11)], "num_outputs_per_prompt": 31, **size, "num_inference_steps": 100}
+    started = time.perf_counter()
+    with pytest.raises(InvalidRequestError) as caught:
+        checked_cost(plan(body), flux, LIMITS)
+    assert time.perf_counter() - started < 0.1
+    assert caught.value.field == "num_outputs_per_prompt, height, width, num_inference_steps"
+    assert caught.value.reason.startswith("this request costs 141,070,336 token-steps, over limits.max_request_cost (128,000,000)")
+    # A typical RL request passes: 64 samples at 1024x1024, 50 steps, guided.
+    typical = {**body, "prompt": [str(d) for d in range(8)], "num_outputs_per_prompt": 8, "num_inference_steps": 50, "true_cfg_scale": 4.0}
+    assert checked_cost(plan(typical), flux, LIMITS) == RequestCost(64 * 2 * 4096 * 50 + 64 * 4096)
+    wan = CostFacts(480, 832, 81, 5.0, 16, 4, NegativeBranchRule("guidance_scale"))
+    with pytest.raises(InvalidRequestError) as caught:  # a video model names its frames too
+        checked_cost(plan({"prompt": "a cat", "num_outputs_per_prompt": 64, "num_inference_steps": 50}), wan, LIMITS)
+    assert caught.value.field == "num_outputs_per_prompt, height, width, num_frames, num_inference_steps"
 
 def test_values_at_the_limits_are_accepted():
     options = plan({"prompt": "7", "guidance_scale": 100.0, "true_cfg_scale": 100.0, "rollout_noise_level": 2.0}).options

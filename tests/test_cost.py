@@ -1,12 +1,17 @@
-"""What a request cost the transformer (`rollout.cost`): its rows against the documented per-node
-formula and against what the sampler computed, the unbranched figure, and the attribution of
-calls shared by several requests' work."""
+"""What a request costs (`rollout.cost`): in token-steps before it is sampled, by the model's facts
+(tests/test_real_families.py and tests/test_video_families.py hold them to the rows and tokens
+each family's transformer runs); and what it cost the transformer, its rows against the documented
+per-node formula and against what the sampler computed, the unbranched figure, and the
+attribution of calls shared by several requests' work."""
+
+from dataclasses import replace
 
 import pytest
 
-from rollout.cost import TransformerCost, transformer_cost
+from rollout.cost import CostFacts, RequestCost, TransformerCost, transformer_cost
 from rollout.kernels import BatchInvariance
 from rollout.micro_batching import MicroBatching
+from rollout.models.base import NegativeBranchRule
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, resolve_options, sample_tree
@@ -111,3 +116,39 @@ def test_costs_add_up():
     assert TransformerCost(3, 4) + TransformerCost(5, 6) == TransformerCost(8, 10)
     assert TransformerCost.total([]) == TransformerCost(0, 0)
     assert TransformerCost.total([TransformerCost(1, 2)] * 3) == TransformerCost(3, 6)
+
+
+def test_a_requests_token_steps_count_tokens_branches_steps_a_trees_nodes_and_the_decode(embedded_pipeline):
+    facts = CostFacts.of(embedded_pipeline)
+    assert facts == CostFacts(16, 16, 1, 2.0, 2, 1, NegativeBranchRule("cfg_scale", also_below_one=True))
+    plain = [TreeRoot(str(i), "", i) for i in range(3)]
+    # 64 tokens (16x16 pixels, 2 a side of a token) x 2 branches (the default guidance, 2.0) x the
+    # steps, and the decode: 64 a sample.
+    assert facts.request_cost(plain, OPTIONS) == RequestCost(3 * (64 * 2 * STEPS + 64))
+    unguided = replace(OPTIONS, guidance_scale=1.0)
+    assert facts.request_cost(plain, unguided) == RequestCost(3 * (64 * STEPS + 64))
+    # A tree: its live nodes at each step (3 + 3 x 2 + 6 x 1 = 15 rows), its 6 leaves decoded.
+    assert facts.request_cost([TreeRoot("1", "", 0, TWO_LEVELS)], unguided) == RequestCost(15 * 64 + 6 * 64)
+    assert facts.sample_cost(20) == RequestCost(64 * 2 * 20 + 64)  # the unit of the app's default queue budget
+
+
+def test_a_videos_tokens_are_its_latent_frames_token_grid():
+    wan = CostFacts(480, 832, 81, 5.0, 16, 4, NegativeBranchRule("guidance_scale"))  # Wan2.1's published VAE and patch
+    assert wan.tokens_per_sample(480, 832, 81) == 21 * 30 * 52 == 32_760  # rollout/models/wan.py's figure
+
+
+@pytest.mark.parametrize(
+    "rule,options,runs",
+    [
+        (NegativeBranchRule("cfg_scale"), {"guidance_scale": 7.0}, True),  # SD3
+        (NegativeBranchRule("cfg_scale"), {"guidance_scale": 7.0, "true_cfg_scale": 1.0}, False),
+        (NegativeBranchRule("cfg_scale"), {"guidance_scale": 1.0}, False),
+        (NegativeBranchRule("true_cfg_scale"), {"guidance_scale": 3.5}, False),  # FLUX.1, Qwen-Image
+        (NegativeBranchRule("true_cfg_scale"), {"guidance_scale": 3.5, "true_cfg_scale": 4.0}, True),
+        (NegativeBranchRule("guidance_scale"), {"guidance_scale": 5.0, "true_cfg_scale": 1.0}, True),  # Wan, LTX-Video
+        (NegativeBranchRule("cfg_scale", also_below_one=True), {"guidance_scale": 0.5}, True),  # the embedded model
+        (NegativeBranchRule("cfg_scale", also_below_one=True), {"guidance_scale": 1.0}, False),
+    ],
+)
+def test_the_negative_branch_runs_by_the_familys_rule(rule, options, runs):
+    assert rule.runs(SamplingOptions(**options)) is runs

@@ -16,6 +16,7 @@ from peft.utils import get_peft_model_state_dict
 
 from rollout.calibration import UNGUIDED, calibrate, check_batch_invariance, require_batch_invariance
 from rollout.checkpoints import disk_update
+from rollout.cost import CostFacts
 from rollout.errors import InvalidRequestError, ModelLoadError
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline, resolve_model
@@ -24,6 +25,7 @@ from rollout.replay import replay_log_probs
 from rollout.sampler import micro_batch_size, resolve_options, rows_per_sample, sample, sample_call
 from rollout.testing.families import IMAGE_FAMILIES, TINY_FAMILIES
 from rollout.transitions import TransitionKind
+from rollout.tree import Branching, roots_of
 from rollout.weights import (
     apply_update,
     served_adapter,
@@ -78,6 +80,46 @@ def diffusers_latents(pipeline, prompts, negative_prompts, seeds, size, steps, p
     if latents.ndim == 3:  # packed tokens (FLUX.1, Qwen-Image)
         latents = pipeline.unpack(latents, size // 8, size // 8)
     return latents
+
+
+def transformer_rows_of(pipeline, prompts, seeds, options) -> int:
+    """The rows every denoiser call of `sample(pipeline, prompts, seeds, options)` ran, summed."""
+    rows = []
+    hooks = [
+        pipeline.weight_modules[expert].register_forward_hook(
+            lambda module, args, kwargs, output: rows.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
+        )
+        for expert in pipeline.experts
+    ]
+    try:
+        sample(pipeline, prompts, seeds, options)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(rows)
+
+
+def assert_costed_as_run(pipeline, options, tokens: int) -> None:
+    """A request's token-steps (`rollout.cost`) are the rows its denoiser calls ran x `tokens` a
+    sample (the transformer's, from the family), and its decode: guidance's branches by the
+    family's own rule, whether it batches them or not. Two samples of one prompt: micro-batches of 2
+    pad nothing (Qwen-Image runs each text-length bucket in calls of its own)."""
+    facts = CostFacts.of(pipeline)
+    resolved = resolve_options(pipeline, options)
+    assert facts.tokens_per_sample(resolved.height, resolved.width, resolved.num_frames) == tokens
+    rows = transformer_rows_of(pipeline, ["a red cube"] * 2, [1, 2], options)
+    decoded = 2 * resolved.num_frames * (resolved.height // facts.token_pixels) * (resolved.width // facts.token_pixels)
+    cost = facts.request_cost(roots_of(["a red cube"] * 2, ["", ""], [1, 2], Branching()), options)
+    assert cost.token_steps == rows * tokens + decoded
+
+
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
+@pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
+def test_a_requests_cost_counts_the_rows_and_tokens_the_transformer_runs(pipelines, family, guided):
+    pipeline = pipelines(family)
+    options = SamplingOptions(num_inference_steps=2, height=SIZE, width=SIZE, sde_type=TransitionKind.ODE, **guidance(family, guided))
+    assert_costed_as_run(pipeline, options, pipeline.image_sequence_length(SIZE, SIZE))
+    assert CostFacts.of(pipeline).token_pixels == TINY_FAMILIES[family].token_pixels
 
 
 @pytest.mark.parametrize("family", IMAGE_FAMILIES)

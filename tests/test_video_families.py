@@ -7,6 +7,7 @@ the flow-matching Euler scheduler at the checkpoint's `flow_shift`, and `LTXPipe
 is. The rollout's ODE path must reproduce it exactly, latents and frames.
 """
 
+import dataclasses
 import json
 import math
 
@@ -28,6 +29,7 @@ from rollout.sampler import sample
 from rollout.testing.families import TINY_FAMILIES, VIDEO_FAMILIES
 from rollout.video import frames_as_uint8, write_mp4
 from rollout.weights import apply_update, tensor_update, weights_checksum
+from tests.test_real_families import assert_costed_as_run
 from tests.test_transitions import reference_log_prob, reference_step
 
 WAN_LAYOUTS = [name for name in VIDEO_FAMILIES if TINY_FAMILIES[name].family is WanFamily]
@@ -355,3 +357,13 @@ def test_uint8_frames_round_to_the_nearest_level():
     assert frames_as_uint8(frames)[0, :, 0, 0].tolist() == [0, 0, 1, 128, 255, 255, 0]
     with pytest.raises(ValueError, match=r"\[3, F, H, W\]"):
         frames_as_uint8(torch.zeros(3, 8, 8))
+
+
+@pytest.mark.parametrize("layout", VIDEO_FAMILIES)
+@pytest.mark.parametrize("guided", [False, True], ids=["no-guidance", "guidance"])
+def test_a_videos_cost_counts_the_rows_and_tokens_the_transformer_runs(pipelines, layout, guided):
+    pipeline = pipelines(layout)
+    guidance = TINY_FAMILIES[layout].guided if guided else TINY_FAMILIES[layout].unguided
+    options = dataclasses.replace(options_for(layout, **guidance), num_inference_steps=2)
+    _, frames, rows, columns = pipeline.latent_shape(options.height, options.width, options.num_frames)
+    assert_costed_as_run(pipeline, options, frames * (rows // pipeline.patch_size) * (columns // pipeline.patch_size))

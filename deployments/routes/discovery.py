@@ -5,10 +5,12 @@ SGLang's fields are those its diffusion HTTP server returns (its `http_server.py
 `openai/common_api.py`), which its model gateway and trainers read, filled from a worker's
 `info()` and the application's config.
 
-Needs from the ingress: `config`, `worker` (the worker deployment's handle), `coordinator`, and
-`started` (when the ingress started, in seconds since the epoch).
+Needs from the ingress: `config`, `worker` (the worker deployment's handle), `coordinator`,
+`dispatcher` (the cost facts it keeps) and `started` (when the ingress started, in seconds since
+the epoch).
 """
 
+import dataclasses
 import importlib.metadata
 
 from deployments.config import RolloutAppConfig
@@ -22,10 +24,13 @@ class DiscoveryRoutes:
     _worker_info: dict | None = None  # the model's description, read from a worker once
 
     async def info(self) -> dict:
-        """Handle API: the model, its scheduler, defaults and image size limits, the configured limits,
-        the weights served and the scorers a request may name (`rollout_reward_models`)."""
+        """Handle API: the model, its scheduler, defaults and image size limits, the configured limits
+        (a request's cost and the queue's among them, with the facts requests are costed by, and
+        the cost this ingress has in flight), the
+        weights served and the scorers a request may name (`rollout_reward_models`)."""
         if self._worker_info is None:
             self._worker_info = await self.worker.info.remote()
+        cost_facts = await self.dispatcher.cost_facts()
         weights = await self.coordinator.state.remote()
         configured = self.config.limits.max_image_size
         model_max = self._worker_info["image_size_limits"]["max_size"]
@@ -37,6 +42,9 @@ class DiscoveryRoutes:
             # What a request may ask for: the smaller of the configured limit and the model's own.
             "max_image_size": configured if model_max is None else min(configured, model_max),
             "max_batch_size": self.config.max_batch_size,
+            "max_queued_cost": self.config.queued_cost_limit(cost_facts),  # in token-steps, as limits.max_request_cost
+            "cost_in_flight": sum(self.dispatcher.cost_in_flight.values()),  # of this ingress replica's budget, now
+            "cost_facts": dataclasses.asdict(cost_facts),
             "scorers": {name: scorer.kind for name, scorer in self.config.scorers.items()},
         }
 

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from deployments.bodies import MSGPACK
-from deployments.dispatch import RolloutResult
+from deployments.dispatch import HANDLE_CLIENT, RolloutResult
 from deployments.http_errors import (
     error_response,
     internal_error_response,
@@ -41,12 +41,15 @@ class GenerateRoutes:
             max_timeout_s=self.config.request_timeout_s,
         )
 
-    async def generate(self, request: RolloutRequest | dict[str, Any]) -> RolloutResult:
-        """Handle API: validates and dispatches; raises `InvalidRequestError` naming a bad field, and
-        `DeadlineExceededError` if the request's deadline passes before it is sent (its fetch is
-        held to the same deadline: `RolloutResult`)."""
+    async def generate(self, request: RolloutRequest | dict[str, Any], client_id: str | None = None) -> RolloutResult:
+        """Handle API: validates and dispatches; raises `InvalidRequestError` naming a bad field (a
+        request over `limits.max_request_cost` among them), `OverloadedError` past `max_queued_cost`
+        and the client's fair share of it, and `DeadlineExceededError` if the request's deadline
+        passes before it is sent (its fetch is held to the same deadline: `RolloutResult`).
+        `client_id` names the caller for the fair shares; callers without one share one share."""
         plan = self._plan(request)
-        return await self.dispatcher.dispatch(plan, self.dispatcher.deadline(plan))
+        client = HANDLE_CLIENT if client_id is None else f"{HANDLE_CLIENT} {clip(client_id)}"
+        return await self.dispatcher.dispatch(plan, self.dispatcher.deadline(plan), client)
 
     async def stop_serving(self) -> None:
         """Handle API, called before the application is deleted (`make serve`'s Ctrl-C): from now
@@ -62,7 +65,7 @@ class GenerateRoutes:
         try:
             body = await self.bodies.read(http_request)
             plan = self._plan(body)
-            fetched = await self.dispatcher.sampled(plan)
+            fetched = await self.dispatcher.sampled(plan, http_client(http_request))
             batch = fetched.batch()
         except Exception as error:
             known = library_error(error)
@@ -75,7 +78,17 @@ class GenerateRoutes:
         # The response's inference_time_s: the whole request's wall time here, from reading its body
         # to its parts fetched and scored (a part's sampler call is `WorkerResult.sampler_call_s`).
         inference_time_s = time.perf_counter() - start
-        rows = response_rows(plan, batch, inference_time_s, peak_memory_mb, fetched.reward_times, fetched.cost())
+        rows = response_rows(
+            plan, batch, inference_time_s, peak_memory_mb, fetched.reward_times, fetched.cost(), fetched.request_cost
+        )
         if "application/json" in http_request.headers.get("accept", ""):
             return Response(to_json(rows), media_type="application/json")
         return Response(to_msgpack(rows), media_type=MSGPACK)
+
+
+def http_client(http_request: Request) -> str:
+    """The client key of an HTTP request for the fair shares of the queue: the address it connects
+    from (behind a reverse proxy, the proxy's; X-Forwarded-For is the client's to write, so it is
+    not trusted)."""
+    address = http_request.client
+    return f"http {address.host if address is not None else 'unknown'}"

@@ -9,7 +9,7 @@ for its schedule (`set_timesteps`); the transitions themselves live in `rollout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -29,6 +29,28 @@ def cfg_scale(options: SamplingOptions) -> float:
     `true_cfg_scale` when given (diffusers' FLUX.1 and Qwen-Image read it as the CFG weight),
     else `guidance_scale`."""
     return options.guidance_scale if options.true_cfg_scale is None else options.true_cfg_scale
+
+
+@dataclass(frozen=True)
+class NegativeBranchRule:
+    """When a family runs classifier-free guidance's negative branch, as its diffusers pipeline
+    decides: while the options' `scale` (model defaults filled in) is above 1, or, with
+    `also_below_one`, anything but 1. Data rather than a method of each family, so that the ingress,
+    which loads no model, costs a request by the family's own rule (`rollout.cost.CostFacts`).
+
+    Attributes:
+        scale: the option that decides: 'guidance_scale', 'true_cfg_scale', or 'cfg_scale'
+            (`cfg_scale`: `true_cfg_scale` when given, else `guidance_scale`).
+        also_below_one: a scale below 1 runs the branch too (the embedded model extrapolates
+            away from the positive prompt).
+    """
+
+    scale: Literal["guidance_scale", "true_cfg_scale", "cfg_scale"]
+    also_below_one: bool = False
+
+    def runs(self, options: SamplingOptions) -> bool:
+        value = cfg_scale(options) if self.scale == "cfg_scale" else getattr(options, self.scale)
+        return value is not None and (value > 1 or (self.also_below_one and value < 1))
 
 
 def batched_cfg_velocity(
@@ -120,6 +142,13 @@ class RolloutPipeline(Protocol):
     # call, on rows [negative; positive], as SD3's pipeline does (not FLUX.1's, Qwen-Image's or
     # Wan's, which make a call per branch): such a call holds two rows per sample.
     batches_guidance_branches: bool
+    # When the negative branch runs; `uses_negative_branch` answers by it.
+    negative_branch: NegativeBranchRule
+    # The pixels a side of one transformer token covers (the VAE's downsampling times the patch),
+    # and the video frames a latent frame after the first stands for (1 for an image model): a
+    # sample's tokens, which `rollout.cost.CostFacts` counts without the model.
+    token_pixels: int
+    frames_per_latent: int
     # The denoisers' `weight_modules` names, in the order `ScheduleSnapshot.model_experts` indexes
     # them: ("transformer",) for a model with one.
     experts: tuple[str, ...]
@@ -181,7 +210,7 @@ class RolloutPipeline(Protocol):
 
     def uses_negative_branch(self, options: SamplingOptions) -> bool:
         """Whether requests with `options` (model defaults filled in) run classifier-free guidance's
-        negative branch, as the family's diffusers pipeline decides."""
+        negative branch, as the family's diffusers pipeline decides: `negative_branch.runs(options)`."""
         ...
 
     def predict_velocity(

@@ -32,7 +32,7 @@ from rollout.conditioning import BucketedConditioning, Conditioning
 from rollout.errors import ModelLoadError, UnknownPromptError
 from rollout.kernels import zero_padded
 from rollout.micro_batching import MicroBatching
-from rollout.models.base import ImageSizeLimits, check_image_frames, check_single_denoiser
+from rollout.models.base import ImageSizeLimits, NegativeBranchRule, check_image_frames, check_single_denoiser
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
@@ -94,6 +94,8 @@ class DiffusersFamily:
     default_micro_batch_size: ClassVar[int] = 4
     batches_guidance_branches: ClassVar[bool] = False
     default_num_frames: ClassVar[int] = 1  # an image
+    frames_per_latent: int = 1  # an image; a video family sets its VAE's
+    negative_branch: ClassVar[NegativeBranchRule]
 
     def __init__(
         self,
@@ -187,6 +189,10 @@ class DiffusersFamily:
         """Latent pixels a side of one transformer token: FLUX.1's and Qwen-Image's pipelines pack
         2x2 latents into a token, whatever their transformer's own `patch_size` config says."""
         return 2
+
+    @property
+    def token_pixels(self) -> int:
+        return self.vae_scale_factor * self.patch_size
 
     @property
     def image_size_limits(self) -> ImageSizeLimits:
@@ -301,7 +307,7 @@ class DiffusersFamily:
         raise NotImplementedError
 
     def uses_negative_branch(self, options: SamplingOptions) -> bool:
-        raise NotImplementedError
+        return self.negative_branch.runs(options)
 
     def image_kwargs(self, batch_size: int, options: SamplingOptions) -> dict[str, torch.Tensor] | None:
         """Per-sample transformer inputs that describe the image (ids, shapes), `(B, ...)`."""
@@ -371,6 +377,10 @@ class PackedLatentFamily(DiffusersFamily):
     extends with a frames axis); packing is a permutation, so it changes no value.
     """
 
+    # diffusers also asks for a negative prompt; here an absent one is the empty prompt, so the
+    # requested scale is never silently dropped.
+    negative_branch = NegativeBranchRule("true_cfg_scale")
+
     @property
     def latent_channels(self) -> int:
         return self.transformer.config.in_channels // 4
@@ -393,10 +403,6 @@ class PackedLatentFamily(DiffusersFamily):
         )
         return unpacked.reshape(tokens.shape[0], self.latent_channels, latent_height, latent_width)
 
-    def uses_negative_branch(self, options: SamplingOptions) -> bool:
-        # diffusers also asks for a negative prompt; here an absent one is the empty prompt, so
-        # the requested scale is never silently dropped.
-        return options.true_cfg_scale is not None and options.true_cfg_scale > 1
 
     def predict_velocity(
         self,

@@ -23,6 +23,7 @@ from rollout.errors import InvalidRequestError, UnknownPromptError, short_repr
 from rollout.micro_batching import MicroBatching
 from rollout.models.base import (
     ImageSizeLimits,
+    NegativeBranchRule,
     batched_cfg_velocity,
     cfg_scale,
     check_image_frames,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "digit-flow"
 IMAGE_SIZE = 16
+PATCH_SIZE = 2  # latent pixels a side of one transformer token; the latents are the image's pixels
 NUM_DIGITS = 10
 UNCONDITIONAL_CLASS = NUM_DIGITS  # the empty prompt
 
@@ -95,7 +97,7 @@ def tiny_transformer(prompt_encoder: DigitPromptEncoder) -> SD3Transformer2DMode
 
     return SD3Transformer2DModel(
         sample_size=IMAGE_SIZE,
-        patch_size=2,
+        patch_size=PATCH_SIZE,
         in_channels=1,
         out_channels=1,
         num_layers=4,
@@ -104,7 +106,7 @@ def tiny_transformer(prompt_encoder: DigitPromptEncoder) -> SD3Transformer2DMode
         joint_attention_dim=prompt_encoder.token_dim,
         caption_projection_dim=64,
         pooled_projection_dim=prompt_encoder.pooled.embedding_dim,
-        pos_embed_max_size=IMAGE_SIZE // 2,
+        pos_embed_max_size=IMAGE_SIZE // PATCH_SIZE,
     )
 
 
@@ -122,6 +124,9 @@ class DigitFlowPipeline:
 
     name = EMBEDDED_MODEL
     batches_guidance_branches = True
+    negative_branch = NegativeBranchRule("cfg_scale", also_below_one=True)
+    token_pixels = PATCH_SIZE
+    frames_per_latent = 1
 
     def __init__(
         self,
@@ -261,7 +266,7 @@ class DigitFlowPipeline:
         return batched_cfg_velocity(self._velocity, x_t, timestep, conditioning, cfg_scale(options))
 
     def uses_negative_branch(self, options: SamplingOptions) -> bool:
-        return cfg_scale(options) != 1.0
+        return self.negative_branch.runs(options)
 
     def _velocity(self, x_t: torch.Tensor, timestep: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
         output = self.transformer(hidden_states=x_t.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)

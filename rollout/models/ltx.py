@@ -22,7 +22,7 @@ import torch
 
 from rollout.conditioning import Conditioning
 from rollout.kernels import branches_in_one_call
-from rollout.models.base import ImageSizeLimits, check_single_denoiser, latent_frame_count
+from rollout.models.base import ImageSizeLimits, NegativeBranchRule, check_single_denoiser, latent_frame_count
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
@@ -33,6 +33,7 @@ class LTXVideoFamily(DiffusersFamily):
     diffusers_pipeline = "LTXPipeline"
     default_guidance_scale = 3.0  # the pipeline's
     batches_guidance_branches = True
+    negative_branch = NegativeBranchRule("guidance_scale")  # the pipeline's `do_classifier_free_guidance`
     default_max_sequence_length = 128
     default_micro_batch_size = 1  # a video a call, as for Wan
     default_num_frames = 161
@@ -97,9 +98,6 @@ class LTXVideoFamily(DiffusersFamily):
             prompt=[prompt], max_sequence_length=self.max_sequence_length, device=self.device
         )
         return {"encoder_hidden_states": embeds.to(self.dtype), "encoder_attention_mask": mask}
-
-    def uses_negative_branch(self, options: SamplingOptions) -> bool:
-        return options.guidance_scale > 1  # the pipeline's `do_classifier_free_guidance`
 
     def image_kwargs(self, batch_size: int, options: SamplingOptions) -> dict[str, torch.Tensor]:
         frame_rate = self.default_frame_rate if options.fps is None else options.fps

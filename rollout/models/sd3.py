@@ -14,7 +14,13 @@ from typing import Any
 import torch
 
 from rollout.conditioning import Conditioning
-from rollout.models.base import ImageSizeLimits, batched_cfg_velocity, cfg_scale, check_single_denoiser
+from rollout.models.base import (
+    ImageSizeLimits,
+    NegativeBranchRule,
+    batched_cfg_velocity,
+    cfg_scale,
+    check_single_denoiser,
+)
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 
@@ -24,6 +30,9 @@ class StableDiffusion3Family(DiffusersFamily):
     diffusers_pipeline = "StableDiffusion3Pipeline"
     default_guidance_scale = 7.0  # the pipeline's; Flow-GRPO trains SD3.5-Medium at 4.5
     batches_guidance_branches = True
+    # The pipeline's `do_classifier_free_guidance`. CFG is SD3's only guidance, so SGLang's
+    # `true_cfg_scale`, when given, is its weight (as with the embedded model).
+    negative_branch = NegativeBranchRule("cfg_scale")
     default_max_sequence_length = 256
     default_micro_batch_size = 8  # rows: 4 samples with guidance, which the pipeline's defaults turn on
 
@@ -62,11 +71,6 @@ class StableDiffusion3Family(DiffusersFamily):
             max_sequence_length=self.max_sequence_length,
         )
         return {"encoder_hidden_states": prompt_embeds, "pooled_projections": pooled}
-
-    def uses_negative_branch(self, options: SamplingOptions) -> bool:
-        # The pipeline's `do_classifier_free_guidance`. CFG is SD3's only guidance, so SGLang's
-        # `true_cfg_scale`, when given, is its weight (as with the embedded model).
-        return cfg_scale(options) > 1
 
     def predict_velocity(
         self,

@@ -33,7 +33,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.conditioning import Conditioning
 from rollout.errors import InvalidRequestError
-from rollout.models.base import ImageSizeLimits, latent_frame_count
+from rollout.models.base import ImageSizeLimits, NegativeBranchRule, latent_frame_count
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
@@ -43,6 +43,8 @@ class WanFamily(DiffusersFamily):
     name = "wan"
     diffusers_pipeline = "WanPipeline"
     default_guidance_scale = 5.0  # the pipeline's
+    # The pipeline's `do_classifier_free_guidance`: the first scale decides for both experts.
+    negative_branch = NegativeBranchRule("guidance_scale")
     default_max_sequence_length = 512  # the pipeline's `__call__` default
     # One video is already a long sequence (480x832, 81 frames: 32,760 tokens): a call of one
     # sample costs a lone request nothing, and memory stays that of one video.
@@ -114,10 +116,6 @@ class WanFamily(DiffusersFamily):
             prompt=[prompt], max_sequence_length=self.max_sequence_length, device=self.device
         )
         return {"encoder_hidden_states": embeds.to(self.dtype)}
-
-    def uses_negative_branch(self, options: SamplingOptions) -> bool:
-        # The pipeline's `do_classifier_free_guidance`: the first scale decides for both experts.
-        return options.guidance_scale > 1
 
     def guidance_scale_of(self, expert: int, options: SamplingOptions) -> float:
         if expert == 1 and options.guidance_scale_2 is not None:

@@ -5,6 +5,7 @@ import asyncio
 import http.client
 import json
 import re
+import time
 from urllib.parse import urlparse
 
 import msgpack
@@ -22,7 +23,7 @@ from deployments.bodies import (
 )
 from deployments.config import RolloutAppConfig
 from deployments.http_errors import error_response
-from rollout.codec import MAX_NESTING_DEPTH, TensorEncoder
+from rollout.codec import MAX_NESTING_DEPTH, TensorEncoder, from_msgpack
 from rollout.errors import NonFiniteOutputError
 
 KiB = 2**10
@@ -384,6 +385,27 @@ def test_values_that_would_make_non_finite_outputs_are_a_400_naming_the_limit(ht
     error = response.json()["error"]
     assert error["field"] == field and f"(limits.{limit_name})" in error["message"]
 
+
+
+def test_a_request_over_its_cost_limit_is_a_quick_400_and_every_answer_carries_its_cost(http, base_url):
+    # 32 samples at 1024x1024 and 50 steps: within every other limit of the test app, and costed by
+    # the embedded model's facts (2 px a token, guided by default) at 847M token-steps.
+    size = {"height": 1024, "width": 1024}
+    body = {"prompt": [str(d) for d in range(4)], "num_outputs_per_prompt": 8, **size, "num_inference_steps": 50}
+    http.post(f"{base_url}/rollout/generate", json=body)  # the first asks a worker for the cost facts
+    started = time.perf_counter()
+    response = http.post(f"{base_url}/rollout/generate", json=body)
+    elapsed = time.perf_counter() - started
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["field"] == "num_outputs_per_prompt, height, width, num_inference_steps"
+    assert "this request costs 847,249,408 token-steps, over limits.max_request_cost (128,000,000)" in error["message"]
+    assert elapsed < 0.5, elapsed  # planned and costed at the ingress: nothing reaches a worker
+    info = http.get(f"{base_url}/rollout/info").json()
+    assert info["limits"]["max_request_cost"] == 128_000_000 and info["cost_facts"]["token_pixels"] == 2
+    assert info["max_queued_cost"] == 4 * 2 * 16 * (64 * 2 * 20 + 64)  # 4 batches of 16 on each of 2 workers
+    rows = from_msgpack(http.post(f"{base_url}/rollout/generate", json={"prompt": "7", "num_inference_steps": 2}).content)
+    assert [row["request_cost"] for row in rows] == [64 * 2 * 2 + 64]
 
 def test_a_long_step_list_is_refused_and_health_stays_responsive(http, base_url):
     # Refused by its length (benchmarks.reliability times it: 12.8 s once, with the ingress's event

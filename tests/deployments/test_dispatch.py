@@ -1,6 +1,7 @@
 """A request's life between the ingress and the workers (`deployments/dispatch.py`), without Ray
-or Serve: chunks, admission, retries of lost parts, one timeout for the whole fetch, cancellation,
-deadlines and stopping, through the async and the sync API alike."""
+or Serve: chunks, its cost and admission by cost with fair shares, retries of lost parts, one
+timeout for the whole fetch, cancellation, deadlines and stopping, through the async and the sync
+API alike."""
 
 import asyncio
 import time
@@ -22,8 +23,9 @@ from deployments.dispatch import (
 from deployments.ray_private import object_store_bytes
 from deployments.scoring import RequestScoring
 from deployments.work import DeadlineExceededError, cut_into_work
-from rollout.cost import TransformerCost
+from rollout.cost import CostFacts, TransformerCost
 from rollout.errors import InvalidRequestError
+from rollout.models.digits import DigitFlowPipeline
 from rollout.plan import RequestLimits, plan_rollout
 from rollout.schema import parse_request
 
@@ -33,11 +35,17 @@ def plan(samples: int = 4, max_batch_size: int | None = None, **fields):
     return plan_rollout(request, RequestLimits(), max_batch_size=max_batch_size)
 
 
+COST_FACTS = CostFacts.of(DigitFlowPipeline.from_pretrained())
+SAMPLE_COST = 2624  # an embedded model's sample at the defaults: (64 tokens x 2 branches x 20 steps) + 64 decoded
+
+
 class Part:
-    """A part that resolves to its work's result after `delay_s`, or raises `error`; awaitable in any loop."""
+    """A part that resolves to its work's result after `delay_s`, or raises `error`; awaitable in any
+    loop. The worker has answered it `delay_s` after it was sent, or once it is cancelled."""
 
     def __init__(self, work, delay_s: float = 0.0, error: BaseException | None = None):
         self.work, self.delay_s, self.error = work, delay_s, error
+        self.answered_at = time.monotonic() + delay_s
 
     async def _resolve(self):
         await asyncio.sleep(self.delay_s)
@@ -62,6 +70,14 @@ class Workers:
 
     def cancel(self, part):
         self.cancelled.append(part)
+        part.answered_at = time.monotonic()
+
+    async def answered(self, parts):
+        while any(part.answered_at > time.monotonic() for part in parts):
+            await asyncio.sleep(0.01)
+
+    async def cost_facts(self):
+        return COST_FACTS
 
 
 def dispatcher(workers, queued=0, **config) -> Dispatcher:
@@ -110,17 +126,144 @@ def test_each_part_says_how_many_other_samples_the_ingress_had_in_flight_when_it
     assert stamps_of(plan(1), plan(1)) == [(1, 0), (1, 1)]
 
 
-def test_admission_counts_queued_samples_and_refuses_beyond_the_limit():
+def test_a_request_over_its_cost_limit_is_refused_naming_what_drives_it_before_anything_is_sent():
     workers = Workers()
-    with pytest.raises(OverloadedError, match="30 samples are queued and this request adds 4, over the limit of 32"):
-        asyncio.run(dispatcher(workers, queued=30, max_queued_samples=32).dispatch(plan(4), 1e12))
+    limits = {"max_outputs_per_prompt": 512, "max_samples_per_request": 512, "max_request_cost": 4 * SAMPLE_COST - 1}
+    with pytest.raises(InvalidRequestError) as caught:
+        asyncio.run(dispatcher(workers, limits=limits).dispatch(plan(4), 1e12))
+    assert caught.value.field == "num_outputs_per_prompt, height, width, num_inference_steps"
+    assert caught.value.reason.startswith(f"this request costs {4 * SAMPLE_COST:,} token-steps, over limits.max_request_cost")
     assert workers.sent == []
-    # A request larger than the limit is still admitted to an empty queue.
-    asyncio.run(dispatcher(workers, queued=0, max_queued_samples=2).dispatch(plan(4), 1e12))
+    result = asyncio.run(dispatcher(workers, limits={**limits, "max_request_cost": 4 * SAMPLE_COST}).dispatch(plan(4), 1e12))
+    assert result.request_cost.token_steps == 4 * SAMPLE_COST
+
+
+def test_admission_counts_cost_in_flight_and_refuses_beyond_the_budget():
+    workers = Workers(lambda work, attempt: Part(work, delay_s=30))
+    ingress = dispatcher(workers, max_queued_cost=6 * SAMPLE_COST)
+
+    async def scenario():
+        await ingress.dispatch(plan(4), 1e12)
+        assert ingress.cost_in_flight == {"handle": 4 * SAMPLE_COST}
+        with pytest.raises(OverloadedError) as caught:
+            await ingress.dispatch(plan(4), 1e12)
+        assert str(caught.value).startswith(
+            f"this ingress has {4 * SAMPLE_COST:,} token-steps in flight and this request costs {4 * SAMPLE_COST:,}, "
+            f"over max_queued_cost ({6 * SAMPLE_COST:,}), and over this client's fair share of it"
+        )
+        await ingress.dispatch(plan(2), 1e12)  # within the budget
+        assert ingress.cost_in_flight == {"handle": 6 * SAMPLE_COST}
+
+    asyncio.run(scenario())
+    assert len(workers.sent) == 4
+    # A request larger than the budget is still admitted to an empty queue.
+    asyncio.run(dispatcher(Workers(), max_queued_cost=1).dispatch(plan(4), 1e12))
     stopped = dispatcher(workers)
     stopped.stop()
     with pytest.raises(StoppingError):
         asyncio.run(stopped.dispatch(plan(1), 1e12))
+
+
+def test_one_clients_backlog_refuses_it_but_not_a_newcomer_and_shares_bound_the_overcommit():
+    workers = Workers(lambda work, attempt: Part(work, delay_s=30))
+    ingress = dispatcher(workers, max_queued_cost=8 * SAMPLE_COST)
+
+    async def scenario():
+        for _ in range(2):  # A fills the budget
+            await ingress.dispatch(plan(4), 1e12, "http 10.0.0.1")
+        with pytest.raises(OverloadedError, match=r"fair share of it \(20,992: 1/1"):
+            await ingress.dispatch(plan(1), 1e12, "http 10.0.0.1")
+        # B gets in: within its share, half the budget with two clients in flight.
+        await ingress.dispatch(plan(4), 1e12, "http 10.0.0.2")
+        with pytest.raises(OverloadedError, match=r"1/2, with 2 clients' work in flight\), of which it has 10,496"):
+            await ingress.dispatch(plan(1), 1e12, "http 10.0.0.2")
+        with pytest.raises(OverloadedError, match="1/2"):  # A, still over its share
+            await ingress.dispatch(plan(1), 1e12, "http 10.0.0.1")
+        # C's share is a third; twice the budget is the most the shares admit.
+        await ingress.dispatch(plan(2), 1e12, "http 10.0.0.3")
+        assert sum(ingress.cost_in_flight.values()) == 14 * SAMPLE_COST
+        await ingress.dispatch(plan(2), 1e12, "handle")
+        with pytest.raises(OverloadedError, match=r"over twice it \(41,984\)"):
+            await ingress.dispatch(plan(1), 1e12, "handle 2")
+        shares = {"http 10.0.0.1": 8, "http 10.0.0.2": 4, "http 10.0.0.3": 2, "handle": 2}
+        assert ingress.cost_in_flight == {client: samples * SAMPLE_COST for client, samples in shares.items()}
+
+    asyncio.run(scenario())
+
+
+def test_a_requests_cost_counts_until_every_part_is_answered_on_every_path():
+    quick = lambda work, attempt: Part(work, delay_s=0.05)  # noqa: E731
+    slow = lambda work, attempt: Part(work, delay_s=30)  # noqa: E731
+    failing = lambda work, attempt: Part(work, delay_s=0.05, error=RuntimeError("the sampler failed"))  # noqa: E731
+
+    async def drained(ingress) -> bool:
+        """Whether the ingress stops counting every request within 5 s, its event loop still running."""
+        for _ in range(500):
+            if not ingress.cost_in_flight:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    async def handle_path(ingress):  # answered on the workers, never fetched
+        await ingress.dispatch(plan(4), 1e12)
+        assert ingress.cost_in_flight == {"handle": 4 * SAMPLE_COST}
+        return await drained(ingress)
+
+    async def http_path(ingress):
+        await ingress.sampled(plan(4), "http 10.0.0.1")
+        # Fetched, every part is answered: released at once, before the workers' answers are seen,
+        # so that the client's next request does not meet its own cost.
+        return not ingress.cost_in_flight
+
+    def seen_late(work, attempt):  # fetched at once; its answer seen by the ingress only after 30 s
+        part = Part(work)
+        part.answered_at += 30
+        return part
+
+    async def client_went_away(ingress):  # Serve cancels the request: its parts are cancelled
+        request = asyncio.create_task(ingress.sampled(plan(4), "http 10.0.0.1"))
+        await asyncio.sleep(0.1)
+        assert ingress.cost_in_flight == {"http 10.0.0.1": 4 * SAMPLE_COST}
+        request.cancel()
+        return await drained(ingress)
+
+    async def failed(ingress):
+        with pytest.raises(RuntimeError, match="the sampler failed"):
+            await ingress.sampled(plan(4), "http 10.0.0.1")
+        return await drained(ingress)
+
+    async def past_its_deadline(ingress):
+        with pytest.raises(DeadlineExceededError):
+            await ingress.sampled(plan(4, rollout_timeout_s=0.2), "http 10.0.0.1")
+        return await drained(ingress)
+
+    class SendFails(Workers):  # the second part's replica cannot be reached: the first is cancelled
+        async def send(self, work):
+            if self.sent:
+                raise RuntimeError("no replica")
+            return await super().send(work)
+
+    async def not_all_sent(ingress):
+        with pytest.raises(RuntimeError, match="no replica"):
+            await ingress.dispatch(plan(4), 1e12)
+        assert len(ingress.workers.cancelled) == 1
+        return await drained(ingress)
+
+    cases = [
+        (Workers(quick), handle_path),
+        (Workers(seen_late), http_path),
+        (Workers(slow), client_went_away),
+        (Workers(failing), failed),
+        (Workers(slow), past_its_deadline),
+        (SendFails(slow), not_all_sent),
+    ]
+    for workers, path in cases:
+        assert asyncio.run(path(dispatcher(workers))), path.__name__
+    refused = dispatcher(Workers(slow), max_queued_cost=1)
+    refused.cost_in_flight["handle"] = 1
+    with pytest.raises(OverloadedError):  # refused: never counted
+        asyncio.run(refused.dispatch(plan(4), 1e12))
+    assert refused.cost_in_flight == {"handle": 1}
 
 
 def test_a_lost_part_is_sampled_again_with_the_same_work_until_the_attempts_run_out():
@@ -160,7 +303,7 @@ def test_one_timeout_bounds_the_whole_fetch(api):
 def test_past_its_deadline_a_request_fails_and_its_queued_parts_are_cancelled():
     workers = Workers(lambda work, attempt: Part(work, delay_s=30))
     with pytest.raises(DeadlineExceededError):
-        asyncio.run(dispatcher(workers).sampled(plan(4, rollout_timeout_s=0.2)))
+        asyncio.run(dispatcher(workers).sampled(plan(4, rollout_timeout_s=0.2), "http 10.0.0.1"))
     assert len(workers.cancelled) == 2  # both parts
 
 
@@ -169,7 +312,7 @@ def test_a_stopping_server_answers_what_is_not_done_within_half_the_grace():
     stopping = dispatcher(workers, graceful_shutdown_timeout_s=0.4)
 
     async def scenario():
-        request = asyncio.create_task(stopping.sampled(plan(2)))
+        request = asyncio.create_task(stopping.sampled(plan(2), "http 10.0.0.1"))
         await asyncio.sleep(0.1)
         stopping.stop()
         return await request

@@ -17,9 +17,10 @@ from ray.util.state import list_actors
 
 from deployments.dispatch import OverloadedError, RolloutResult, WorkerLostError
 from rollout.codec import from_msgpack
+from rollout.cost import RequestCost
 from deployments.work import DeadlineExceededError
 from tests.deployments.apps import deploy, deploy_ingress
-from tests.deployments.replicas import pids, request_body
+from tests.deployments.replicas import STEPS, pids, request_body
 from tests.deployments.waiting import wait_until
 
 pytestmark = pytest.mark.faults
@@ -27,6 +28,10 @@ pytestmark = pytest.mark.faults
 
 def _sample_bits(samples) -> list[tuple]:
     return [(s.seed, s.image.numpy().tobytes(), s.log_probs.numpy().tobytes()) for s in samples]
+
+
+# An embedded model's sample of `request_body`, in token-steps: 64 tokens x 2 guided branches x STEPS, and 64 decoded.
+SAMPLE_COST = 64 * 2 * STEPS + 64
 
 
 def _row_bits(rows) -> list[tuple]:
@@ -43,7 +48,7 @@ def _served(app, session: requests.Session, i: int, over_http: bool) -> list[tup
 
 @pytest.fixture(scope="module")
 def app(serve_app):
-    app = deploy(serve_app, "faults-test", max_queued_samples=1024)
+    app = deploy(serve_app, "faults-test", max_queued_cost=1024 * SAMPLE_COST)
     yield app
     serve.delete(app.name)
 
@@ -101,7 +106,7 @@ def test_a_request_past_its_deadline_is_dropped_and_answered_504(app, http):
 
 @pytest.fixture(scope="module")
 def small_queue(serve_app):
-    app = deploy_ingress(serve_app, "overload-test", max_queued_samples=8)
+    app = deploy_ingress(serve_app, "overload-test", max_queued_cost=8 * SAMPLE_COST)
     yield app
     serve.delete(app.name)
 
@@ -136,14 +141,24 @@ def test_beyond_its_queue_the_server_sheds_load_and_recovers(small_queue):
     assert len(served) + len(shed) == 24 and served and shed
     assert all(a.headers.get("retry-after") == "1" for a in shed)
     # Refused by admission, before any sampling (how soon is measured by benchmarks.reliability).
-    assert all("OverloadedError" not in a.text and "max_queued_samples" in a.text for a in shed)
+    assert all("OverloadedError" not in a.text and "max_queued_cost" in a.text for a in shed)
     assert health and set(health) == {200}
-    # Service recovers once the burst is over.
+    # Service recovers once the burst is over, and the ingress stops counting what it answered.
     again = requests.post(f"{app.url}/rollout/generate", json={**request_body(99, samples=4), "rollout_debug_mode": False})
-    assert again.status_code == 200
+    assert again.status_code == 200 and request_cost_of(again) == 4 * SAMPLE_COST
+    wait_until(lambda: nothing_in_flight(app), "the ingress counting nothing in flight", poll_s=0.05)
+
+
+def request_cost_of(response: requests.Response) -> int:
+    return from_msgpack(response.content)[0]["request_cost"]
+
+
+def nothing_in_flight(app) -> bool:
+    return requests.get(f"{app.url}/rollout/info").json()["cost_in_flight"] == 0
 
 
 def test_beyond_its_queue_the_handle_raises_a_typed_error(small_queue):
+    wait_until(lambda: nothing_in_flight(small_queue), "the ingress counting nothing in flight", poll_s=0.05)
     body = {**request_body(1, samples=8), "num_inference_steps": 50}  # long enough to still be queued
     responses = [small_queue.handle.generate.remote({**body, "seed": seed}) for seed in (1, 2)]
     outcomes = []
@@ -154,8 +169,8 @@ def test_beyond_its_queue_the_handle_raises_a_typed_error(small_queue):
             outcomes.append(error)
     refused = [o for o in outcomes if isinstance(o, OverloadedError)]
     assert len(refused) == 1 and 8 in outcomes, outcomes
-    assert "max_queued_samples" in str(refused[0]) and refused[0].retry_after_s == 1
-    # Sent again as the error says, it is served: the first request's samples stop counting once the
+    assert "max_queued_cost" in str(refused[0]) and refused[0].retry_after_s == 1
+    # Sent again as the error says, it is served: the first request's cost stops counting once the
     # ingress has seen its worker answer, which can come a moment after the trainer fetched them.
     for attempt in range(5):
         try:
@@ -164,6 +179,7 @@ def test_beyond_its_queue_the_handle_raises_a_typed_error(small_queue):
         except OverloadedError as error:
             assert attempt < 4, error
             time.sleep(error.retry_after_s)
+    wait_until(lambda: nothing_in_flight(small_queue), "the ingress counting nothing in flight", poll_s=0.05)
 
 
 @ray.remote(num_cpus=0)
@@ -182,7 +198,8 @@ def test_a_part_lost_on_every_try_is_a_retryable_error(ray_cluster):
             resent.append(work)
             return doomed.ping.remote()
 
-    result = RolloutResult("r", 0, 1, ("work",), (doomed.ping.remote(),), DeadWorkers(), max_attempts=3)
+    parts = (doomed.ping.remote(),)
+    result = RolloutResult("r", 0, 1, ("work",), parts, DeadWorkers(), max_attempts=3, request_cost=RequestCost(1))
     with pytest.raises(WorkerLostError, match="lost 3 times") as caught:
         result.fetch()
     assert resent == ["work", "work"] and caught.value.retry_after_s == 1

@@ -83,7 +83,7 @@ class RefusedFrom:
 
     @staticmethod
     def refuse():
-        raise OverloadedError("admitting 4 samples would queue more than max_queued_samples")
+        raise OverloadedError("admitting 3,328 token-steps would pass max_queued_cost")
 
 
 def job_arguments(prompts, output, app_name, *extra, seed=5):
@@ -104,7 +104,7 @@ def test_an_interrupted_job_resumed_writes_what_an_uninterrupted_one_does(
     with pytest.raises(SystemExit) as stopped:
         job.main(job_arguments(prompts, interrupted, app_name))
     message = str(stopped.value)
-    assert message.startswith("request 1 failed: OverloadedError: admitting 4 samples")
+    assert message.startswith("request 1 failed: OverloadedError: admitting 3,328 token-steps")
     assert "holds 1 of 3 shards (4 samples), a dataset that loads: run the job again with --resume" in message
     index, batches = load_rollouts(interrupted)
     assert len(batches) == 1 and not index["complete"]

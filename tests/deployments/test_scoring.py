@@ -18,6 +18,7 @@ from deployments.scorer import ScorerReplica
 from deployments.scoring import scoring_samples
 from deployments.work import WorkerResult
 from rollout.advantages import group_advantages
+from rollout.cost import CostFacts
 from rollout.errors import InvalidRequestError, ScorerError
 from rollout.models.registry import load_pipeline
 from rollout.plan import RequestLimits, plan_rollout
@@ -71,6 +72,12 @@ class Workers:
 
     def cancel(self, part):
         pass
+
+    async def answered(self, parts):
+        pass  # these parts are sampled when fetched: nothing waits on the workers
+
+    async def cost_facts(self):
+        return CostFacts.of(self.pipeline)
 
 
 class Scorers:
@@ -189,12 +196,12 @@ def test_an_http_request_whose_scoring_failed_is_scored_again_from_its_kept_samp
     ingress = Dispatcher(workers, config, lambda: 0, Scorers(log, {"broken": fails_first}))
     asked = dict(prompts=("3",), rollout_reward_models=["broken"])
     with pytest.raises(ScorerError, match="the samples are kept 60 s"):
-        asyncio.run(ingress.sampled(plan(**asked)))
+        asyncio.run(ingress.sampled(plan(**asked), "http 10.0.0.1"))
     # The same request again, nulls now acceptable: scored from the kept samples, none sampled.
-    (part,) = asyncio.run(ingress.sampled(plan(**asked, rollout_reward_on_error="null"))).parts
+    (part,) = asyncio.run(ingress.sampled(plan(**asked, rollout_reward_on_error="null"), "http 10.0.0.1")).parts
     assert len(workers.sent) == 1 and [s.rewards["broken"] for s in part.batch.samples] == [0.25] * 3
     # Kept once: sent a third time, or with another seed, the request is sampled.
-    asyncio.run(ingress.sampled(plan(**asked)))
+    asyncio.run(ingress.sampled(plan(**asked), "http 10.0.0.1"))
     assert len(workers.sent) == 2
 
 

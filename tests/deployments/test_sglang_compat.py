@@ -63,6 +63,7 @@ EXTENSION_ROW_KEYS = [
     "branch_seeds",
     "transformer_rows",
     "transformer_rows_unbranched",
+    "request_cost",
 ]
 ENCODINGS = ["application/msgpack", "application/json"]
 
