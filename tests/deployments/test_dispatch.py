@@ -23,7 +23,7 @@ from deployments.dispatch import (
 from deployments.ray_private import object_store_bytes
 from deployments.scoring import RequestScoring
 from deployments.work import DeadlineExceededError, cut_into_work
-from rollout.cost import CostFacts, TransformerCost
+from rollout.cost import CostFacts, RequestCost, TransformerCost
 from rollout.errors import InvalidRequestError
 from rollout.models.digits import DigitFlowPipeline
 from rollout.plan import RequestLimits, plan_rollout
@@ -348,7 +348,7 @@ def unscored_request(seed: int, samples: int = 4):
     works = cut_into_work(kept_plan, 2, 32, deadline=time.time() + 60)
     parts = tuple(f"{seed}-{i}" for i in range(len(works)))
     scoring = RequestScoring(kept_plan.rewards, samples, scorers=None, settings={})
-    return kept_plan, RolloutResult(kept_plan.request_id, seed, samples, tuple(works), parts, Workers(), 1, scoring)
+    return kept_plan, RolloutResult(kept_plan.request_id, seed, samples, tuple(works), parts, Workers(), 1, RequestCost(0), scoring)
 
 
 def test_the_resend_cache_is_bounded_in_bytes_oldest_first_counting_parts_not_there_yet_at_their_requests_rate():

@@ -253,6 +253,9 @@ def test_a_cancelled_request_leaves_its_sampler_call_and_its_companion_keeps_its
     handle = one_worker.handle
     companion = {**LONG, "prompt": "4", "seed": 7}
     alone = handle.generate.remote(companion).result().fetch()
+    # Through the handle the ingress sees a request answered within a poll (`ANSWERED_POLL_S`):
+    # until then its cost counts against the three requests sent next.
+    wait_until(lambda: requests.get(f"{one_worker.url}/rollout/info").json()["cost_in_flight"] == 0, "alone answered")
     on_replicas(one_worker.name, "RolloutWorker", _slowed_and_counted())
     try:
         # A request of 20 steps keeps the worker busy while the two arrive: it takes both next.
