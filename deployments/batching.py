@@ -1,10 +1,14 @@
 """A replica's queue of work: whenever the replica frees up, it takes everything that waits.
 
 One queue type for the worker replicas (sampling work, `SamplingWork`) and the scorer replicas
-(`deployments/scorer.py`): each time the replica is free, it takes all waiting work of the oldest
+(`deployments/scorer.py`): each time the replica is free, it takes all waiting work of one
 work's group (equal options, for a sampler; one group, for a scorer), oldest first, up to its
-limit; a single work larger than the limit is taken alone. Work whose deadline passed while it
-waited fails with `DeadlineExceededError`, unsampled. Only a sampler waits for companions, as
+limit; a single work larger than the limit is taken alone. The work it starts from is the oldest
+of the client served least recently (`SamplingWork.client`: the address or handle that sent
+it): clients take turns, so one that queues many calls' worth of work delays another's by a
+call at a time, not by its whole backlog (first come, first served, a one-sample request waited
+11.7 s behind a flood of 32-sample ones, docs/reliability.md). Work whose deadline passed while
+it waited fails with `DeadlineExceededError`, unsampled. Only a sampler waits for companions, as
 follows.
 
 Serve's `@serve.batch` forms the next batch on a timer while the current one runs, so concurrent
@@ -49,10 +53,12 @@ from deployments.work import DeadlineExceededError
 
 
 class QueuedWork(Protocol):
-    """What the queue needs of a work: its size in samples and its deadline (`time.time()`; None:
-    none). A sampler's waiting for companions also reads its `companions_in_flight`."""
+    """What the queue needs of a work: its size in samples, its deadline (`time.time()`; None:
+    none) and its client (None: one unnamed client). A sampler's waiting for companions also reads
+    its `companions_in_flight`."""
 
     deadline: float | None
+    client: str | None
 
     def __len__(self) -> int: ...
 
@@ -107,6 +113,8 @@ class BatchingQueue(Generic[W]):
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._turns = 0  # calls taken so far
+        self._served_at: dict[str | None, int] = {}  # the turn each waiting client was last served at
 
     async def submit(self, work: W) -> Any:
         """The work's result, once a call has run it; raises what that call raised for it."""
@@ -202,11 +210,17 @@ class BatchingQueue(Generic[W]):
         self._waiting = [w for w in self._waiting if not w.result.done()]  # drop cancelled and expired work
         if not self._waiting:
             return []
-        oldest = self._group_of(self._waiting[0].work)
-        group, rest, samples = [], [], 0
+        # The oldest work of the client served least recently (never: first), then its group's.
+        first = min(self._waiting, key=lambda w: self._served_at.get(w.work.client, -1))
+        self._served_at = {w.work.client: self._served_at.get(w.work.client, -1) for w in self._waiting}
+        self._served_at[first.work.client] = self._turns
+        self._turns += 1
+        kind = self._group_of(first.work)
+        group, rest, samples = [first], [], len(first.work)
         for waiting in self._waiting:
-            fits = samples + len(waiting.work) <= self.max_samples or not group
-            if self._group_of(waiting.work) == oldest and fits:
+            if waiting is first:
+                continue
+            if self._group_of(waiting.work) == kind and samples + len(waiting.work) <= self.max_samples:
                 group.append(waiting)
                 samples += len(waiting.work)
             else:

@@ -423,7 +423,7 @@ class Dispatcher:
             for work in works:
                 # What may still reach the worker along with it: an idle worker waits only for that.
                 companions = self._queued_on_workers() + self._routing_samples - len(work)
-                stamped.append(replace(work, companions_in_flight=companions))
+                stamped.append(replace(work, companions_in_flight=companions, client=client))
                 parts.append(await self.workers.send(stamped[-1]))
                 self._routing_samples -= len(work)  # the router counts them from here on
         except BaseException:

@@ -32,10 +32,12 @@ logger = logging.getLogger("ray.serve")
 
 @dataclass(frozen=True)
 class ScoringWork:
-    """One call's samples, as the queue holds them: scoring has timeouts, no deadline."""
+    """One call's samples, as the queue holds them: scoring has timeouts, no deadline, and its
+    parts come from the ingress, one client."""
 
     samples: list[ScoringSample]
     deadline: None = None
+    client: None = None
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -59,6 +59,8 @@ class SamplingWork:
             it sent it (admitted and not answered: on any worker replica, or still being routed;
             its own request's other chunks included). 0: no other work of that ingress can be on
             its way to the worker. None: unknown (the work was not sent by an ingress).
+        client: who sent the request (the ingress's client key: an HTTP client's address, or the
+            handle's caller); a replica's queue takes turns between clients. None: unnamed.
     """
 
     prompts: tuple[str, ...]
@@ -70,6 +72,7 @@ class SamplingWork:
     companions_in_flight: int | None = None
     branching: Branching = Branching()
     request_samples: int | None = None
+    client: str | None = None
 
     def __len__(self) -> int:
         return len(self.seeds)

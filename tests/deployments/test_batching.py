@@ -145,6 +145,22 @@ def test_a_running_call_is_told_which_of_its_works_no_one_waits_for_any_more():
     assert abandoned_after_stop == [0, 1, 2]  # the replica stopping: every work
 
 
+def test_clients_take_turns_so_a_backlog_delays_another_client_by_one_call():
+    async def scenario():
+        sampler = Sampler(seconds=0.05)
+        queue = sampling_queue(sampler, max_samples=8, wait_s=0.0, lone_wait_s=0.0)
+        flood = [asyncio.create_task(queue.submit(replace(work(8), client="a"))) for _ in range(3)]
+        flood += [asyncio.create_task(queue.submit(replace(work(8), client="b"))) for _ in range(3)]
+        await asyncio.sleep(0.02)  # a's first call runs
+        modest = asyncio.create_task(queue.submit(replace(work(1), client="c")))
+        await asyncio.gather(*flood, modest)
+        return [[w.client for w in works] for works in sampler.calls]
+
+    # c's work came last and waits one call: then every client has been served once, and a and b
+    # alternate. First come, first served, it would have waited for all six of theirs.
+    assert run(scenario()) == [["a"], ["b"], ["c"], ["a"], ["b"], ["a"], ["b"]]
+
+
 def test_an_idle_sampler_waits_to_fill_its_micro_batch_not_longer():
     async def scenario():
         sampler = Sampler()
