@@ -20,8 +20,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +28,19 @@ from pathlib import Path
 
 import requests
 
-from benchmarks.hostile import APP, EMBEDDED_WEIGHTS, LIGHT, NO_ANSWER_S, REPO, Server, timed
+from benchmarks.hostile import (
+    EMBEDDED_WEIGHTS,
+    LIGHT,
+    NO_ANSWER_S,
+    REPO,
+    Server,
+    comparison_table,
+    run_timed,
+    served,
+    short_commit,
+    timed,
+    write_section,
+)
 
 SECTION = "## Costly requests, served"
 
@@ -172,25 +182,19 @@ class CostlyRequests:
 
 
 def probe_checkout(checkout: Path, port: int) -> dict[str, str]:
-    root = Path(tempfile.mkdtemp(prefix="weights-root-"))
-    config = {"app_name": APP, "allowed_weight_paths": [str(root)], "probe_port": port + 1}
-    server = Server(checkout, config, port)
-    try:
-        probes = CostlyRequests(server, root, f"http://127.0.0.1:{port + 1}")
-        for probe in (
-            probes.unbounded_fields,
-            probes.long_weight_version,
-            probes.path_oracle,
-            probes.client_gone_mid_sampling,
-            probes.flood_beside_a_client,
-            probes.many_clients_and_the_probe_port,
-        ):
-            started = time.perf_counter()
-            probe()
-            print(f"{probe.__name__}: {time.perf_counter() - started:.0f} s", flush=True)
+    with served(checkout, port) as (server, root, probe_url):
+        probes = CostlyRequests(server, root, probe_url)
+        run_timed(
+            (
+                probes.unbounded_fields,
+                probes.long_weight_version,
+                probes.path_oracle,
+                probes.client_gone_mid_sampling,
+                probes.flood_beside_a_client,
+                probes.many_clients_and_the_probe_port,
+            )
+        )
         return probes.rows
-    finally:
-        server.stop()
 
 
 def main() -> None:
@@ -200,28 +204,19 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=REPO / "docs/reliability.md")
     args = parser.parse_args()
     start = time.monotonic()
-    commits = [
-        subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        for path in (args.before, REPO)
-    ]
+    before_commit, after_commit = short_commit(args.before), short_commit(REPO)
     before = probe_checkout(args.before.resolve(), args.port)
     after = probe_checkout(REPO, args.port)
     lines = [
-        SECTION,
         "",
-        f"Command: `.venv/bin/python -m benchmarks.costly_requests --before <checkout of {commits[0]}>` "
+        f"Command: `.venv/bin/python -m benchmarks.costly_requests --before <checkout of {before_commit}>` "
         f"({(time.monotonic() - start) / 60:.1f} min), {datetime.date.today().isoformat()}, {os.cpu_count()} cores. "
         f"`build_app()` with its defaults, `allowed_weight_paths` set to a temporary root and a probe port, served "
-        f"from {commits[0]} (before) and from {commits[1]} with its working tree (after), one after the other.",
+        f"from {before_commit} (before) and from {after_commit} with its working tree (after), one after the other.",
         "",
-        "| request | before | after |",
-        "|---|---|---|",
-        *(f"| {name} | {before.get(name, '')} | {after.get(name, '')} |" for name in dict.fromkeys([*before, *after])),
+        *comparison_table("request", before, after),
     ]
-    # The section goes where it was (or last), the sections after it kept.
-    before_it, _, after_it = args.output.read_text().partition(f"\n{SECTION}\n")
-    _, heading, following = after_it.partition("\n## ")
-    args.output.write_text(before_it.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n" + (f"\n## {following}" if heading else ""))
+    write_section(args.output, SECTION, lines)
 
 
 if __name__ == "__main__":

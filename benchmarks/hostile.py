@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -27,7 +26,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -427,23 +427,64 @@ def _release_fifo(path: Path) -> None:
         pass
 
 
-def probe_checkout(checkout: Path, fuzz_count: int, port: int) -> dict[str, str]:
+@contextmanager
+def served(checkout: Path, port: int) -> Iterator[tuple[Server, Path, str]]:
+    """The default application served from `checkout` on `port`, with `allowed_weight_paths` a new
+    temporary root and its probe port on `port + 1`: (the server, the root, the probe port's URL)."""
     root = Path(tempfile.mkdtemp(prefix="weights-root-"))
-    config = {"app_name": APP, "allowed_weight_paths": [str(root)], "probe_port": port + 1}
-    server = Server(checkout, config, port)
+    server = Server(checkout, {"app_name": APP, "allowed_weight_paths": [str(root)], "probe_port": port + 1}, port)
     try:
-        probes = Probes(server, root, f"http://127.0.0.1:{port + 1}")
-        for probe in (
-            probes.stalled_clients,
-            probes.stalled_headers,
-            probes.parse_bombs,
-            probes.echoes,
-            probes.weight_files,
-            probes.breaking_weights,
-        ):
-            started = time.perf_counter()
-            probe()
-            print(f"{probe.__name__}: {time.perf_counter() - started:.0f} s", flush=True)
+        yield server, root, f"http://127.0.0.1:{port + 1}"
+    finally:
+        server.stop()
+
+
+def run_timed(probes: Iterable[Callable[[], None]]) -> None:
+    """Runs each probe, printing how long it took."""
+    for probe in probes:
+        started = time.perf_counter()
+        probe()
+        print(f"{probe.__name__}: {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def short_commit(checkout: Path) -> str:
+    return subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+
+
+def comparison_table(first_column: str, before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """The rows of both runs side by side, in the order they were first written."""
+    return [
+        f"| {first_column} | before | after |",
+        "|---|---|---|",
+        *(f"| {name} | {before.get(name, '')} | {after.get(name, '')} |" for name in dict.fromkeys([*before, *after])),
+    ]
+
+
+def write_section(output: Path, section: str, lines: list[str]) -> None:
+    """`section` (its heading, then `lines`) in place of the one of that heading in `output`, or
+    last: the sections around it are kept."""
+    before_it, _, after_it = output.read_text().partition(f"\n{section}\n")
+    _, heading, following = after_it.partition("\n## ")
+    output.write_text(
+        before_it.rstrip("\n") + "\n\n" + "\n".join([section, *lines]) + "\n" + (f"\n## {following}" if heading else "")
+    )
+
+
+def probe_checkout(checkout: Path, fuzz_count: int, port: int) -> dict[str, str]:
+    with served(checkout, port) as (server, root, probe_url):
+        probes = Probes(server, root, probe_url)
+        run_timed(
+            (
+                probes.stalled_clients,
+                probes.stalled_headers,
+                probes.parse_bombs,
+                probes.echoes,
+                probes.weight_files,
+                probes.breaking_weights,
+            )
+        )
         report = run_fuzz(server.url, fuzz_count, seed=0)
         statuses: dict[str, int] = {}
         for (_, status), answers in report.statuses.items():
@@ -453,8 +494,6 @@ def probe_checkout(checkout: Path, fuzz_count: int, port: int) -> dict[str, str]
             f"slowest answer {report.slowest_s:.2f} s"
         )
         return probes.rows
-    finally:
-        server.stop()
 
 
 def main() -> None:
@@ -465,16 +504,10 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=REPO / "docs/reliability.md")
     args = parser.parse_args()
     start = time.monotonic()
-    before_commit = subprocess.run(
-        ["git", "-C", str(args.before), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    after_commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    before_commit, after_commit = short_commit(args.before), short_commit(REPO)
     before = probe_checkout(args.before.resolve(), args.fuzz_count, args.port)
     after = probe_checkout(REPO, args.fuzz_count, args.port)
     lines = [
-        SECTION,
         "",
         (
             f"Command: `.venv/bin/python -m benchmarks.hostile --before <checkout of {before_commit}>` "
@@ -485,13 +518,9 @@ def main() -> None:
         "",
         STALLED_CLIENTS_NOTE,
         "",
-        "| probe | before | after |",
-        "|---|---|---|",
-        *(f"| {name} | {before.get(name, '')} | {after.get(name, '')} |" for name in dict.fromkeys([*before, *after])),
+        *comparison_table("probe", before, after),
     ]
-    text = args.output.read_text()
-    kept = re.split(rf"^{re.escape(SECTION)}$", text, flags=re.MULTILINE)[0].rstrip("\n")
-    args.output.write_text(kept + "\n\n" + "\n".join(lines) + "\n")
+    write_section(args.output, SECTION, lines)
 
 
 if __name__ == "__main__":
