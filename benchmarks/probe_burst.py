@@ -8,7 +8,7 @@ Serves `build_app()` with its defaults and a probe port (as `make serve` does), 
 (`benchmarks.hostile.Server`), and sends `--clients` (150) requests of 32 samples each with the
 request's defaults (20 steps, `rollout_debug_mode` on; `--light`: off), from threads of this
 process or (`--processes`) each from a process of its own, all released at once, as a shell
-loop of 150 clients sends them. The queue admits 256 samples; the rest are shed (`--retry`:
+loop of 150 clients sends them. The admission budget takes the cost of 256 default samples; the rest are shed (`--retry`:
 sent again after Retry-After until served, a load that lasts minutes). Meanwhile processes of
 their own poll, every 100 ms, `/health` and `/liveness` on the probe port and `/health` on
 Serve's port, and a thread of this process polls the probe port's `/health` too. The CPU of the

@@ -430,7 +430,7 @@ def main() -> None:
         "",
         f"Command: `.venv/bin/python -m benchmarks.reliability` ({(time.monotonic() - start) / 60:.1f} min), "
         f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores, ray {ray.__version__}. The default "
-        "application (`build_app()`: 2 worker replicas, batches of 32, queue of 256 samples) with a probe port. The hypervisor "
+        "application (`build_app()`: 2 worker replicas, batches of 32, an admission budget of 256 default samples' cost) with a probe port. The hypervisor "
         f"took {100 * stolen / total:.0f}% of this machine's CPU time during the run (steal time, /proc/stat).",
     ]
     # benchmarks.hostile writes the sections from its own on, from another run: they stay.
