@@ -18,6 +18,7 @@ from rollout.schedule import ScheduleSnapshot
 from rollout.schema import RolloutRequest
 from tests.deployments.apps import APP_NAME
 from tests.deployments.replicas import held_samplers, on_replicas
+from tests.deployments.waiting import wait_until
 from tests.reference_bits import (
     DIGITS_REQUESTS,
     REFERENCE,
@@ -74,8 +75,10 @@ def test_a_part_carries_its_schedule_once_across_the_object_store(handle):
 
 def test_concurrent_requests_are_batched(handle, embedded_pipeline):
     bodies = [{"prompt": str(i % 10), "num_inference_steps": 6, "seed": 700 + i} for i in range(16)]
-    # Placement is measured from idle workers: the router rightly counts work still running.
-    assert on_replicas(APP_NAME, "RolloutIngress", lambda _: outstanding_samples()) == [0]
+    # Placement is measured from idle workers: the router rightly counts work still running. It
+    # hears that the last test's parts are done a moment after their results are (its completion
+    # callback runs on the ingress's side, which never fetches them): it waits for that.
+    wait_until(lambda: on_replicas(APP_NAME, "RolloutIngress", lambda _: outstanding_samples()) == [0], "idle workers", timeout_s=30)
     # Held until the whole burst is placed: a batch that completes meanwhile frees its replica,
     # and the router rightly sends it more, so the split would depend on the runner's speed.
     with held_samplers(APP_NAME):
