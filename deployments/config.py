@@ -228,6 +228,12 @@ class RolloutAppConfig(BaseModel):
         description="Directories that weight updates may read checkpoints from: the path and every file read, "
         "symlinks resolved, must be under one. Empty (the default): any path the server's user can read, as SGLang.",
     )
+    allowed_image_paths: list[str] = Field(
+        default_factory=list,
+        description="Directories that a request's image_path may name files in: the path, symlinks resolved, must be "
+        "under one. Empty (the default): file paths are refused; images come inline (base64, bytes, tensors). "
+        "Unlike weight paths, a client names these, so none is read unless an operator chose where.",
+    )
     weight_update_timeout_s: float = Field(
         600.0, gt=0, description="How long an update waits for every replica before it is undone everywhere."
     )
