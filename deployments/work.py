@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from rollout.cost import TransformerCost
 from rollout.errors import RolloutError
+from rollout.input_images import InputImage
 from rollout.options import SamplingOptions
 from rollout.plan import RolloutPlan
 from rollout.trajectory import RolloutBatch
@@ -61,6 +62,8 @@ class SamplingWork:
             its way to the worker. None: unknown (the work was not sent by an ingress).
         client: who sent the request (the ingress's client key: an HTTP client's address, or the
             handle's caller); a replica's queue takes turns between clients. None: unnamed.
+        images: each sample's prompt's input images, decoded by the ingress (`RolloutPlan.images`);
+            () for a request without images.
     """
 
     prompts: tuple[str, ...]
@@ -73,6 +76,7 @@ class SamplingWork:
     branching: Branching = Branching()
     request_samples: int | None = None
     client: str | None = None
+    images: tuple[tuple[InputImage, ...], ...] = ()
 
     def __len__(self) -> int:
         return len(self.seeds)
@@ -83,7 +87,7 @@ class SamplingWork:
         return len(self) if self.request_samples is None else self.request_samples
 
     def roots(self) -> list[TreeRoot]:
-        return roots_of(self.prompts, self.negative_prompts, self.seeds, self.branching)
+        return roots_of(self.prompts, self.negative_prompts, self.seeds, self.branching, self.images or None)
 
 
 def cut_into_work(
@@ -105,6 +109,7 @@ def cut_into_work(
             deadline,
             branching=plan.branching,
             request_samples=plan.num_samples,
+            images=plan.images[start : start + size],
         )
         for start in range(0, plan.num_samples, size)
     ]

@@ -160,6 +160,7 @@ class RolloutWorker:
             "experts": list(self.pipeline.experts),
             "default_guidance_scale": self.pipeline.default_guidance_scale,
             "image_size_limits": self.pipeline.image_size_limits.describe(),
+            "condition_images": self.pipeline.condition_images.describe(),
             "device": str(self.pipeline.device),
         }
 
@@ -174,7 +175,13 @@ class RolloutWorker:
         # where a failure counts toward replacing the replica. The options come back with the
         # model's defaults: the queue groups and the sampler samples by them.
         options = checked_against_model(
-            self.pipeline, work.options, work.prompts, work.negative_prompts, work.samples_in_response, self.config.limits
+            self.pipeline,
+            work.options,
+            work.prompts,
+            work.negative_prompts,
+            work.samples_in_response,
+            self.config.limits,
+            work.images,
         )
         return await self._queue.submit(dataclasses.replace(work, options=options))
 

@@ -9,6 +9,9 @@ through one denoising step; a request's token-steps, from its fields and the ser
   classifier-free guidance's negative branch (in the same call, as SD3 does, or in a second one,
   as FLUX.1 with `true_cfg_scale`, Qwen-Image and Wan do: the transformer's work doubles either
   way);
+- input images (an editing model's): each adds up to the model's `most_tokens_per_image` tokens to
+  every row of its prompt's samples (`ConditionImageRule`), counted at that bound; their one
+  VAE encode per prompt is not counted;
 - decoding: the VAE counted by the pixels and frames it decodes, at the weight of one transformer
   step over a token grid of that size for each output frame (per sample: num_frames x
   (height / token_pixels) x (width / token_pixels)). A rough weight, not a measurement: it keeps
@@ -53,7 +56,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from rollout.models.base import NegativeBranchRule, RolloutPipeline
+from rollout.models.base import ConditionImageRule, NegativeBranchRule, RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, resolve_options
 from rollout.tree import Branching, TreeRoot, roots_of
@@ -82,6 +85,8 @@ class CostFacts:
         frames_per_latent: the video frames a latent frame after the first stands for; 1 for an
             image model. (Every video family served takes one latent frame a token along time.)
         negative_branch: when classifier-free guidance's negative branch runs.
+        condition_images: the input images a prompt takes, and the tokens each adds at most.
+        model: the model's name, for the errors that name it.
     """
 
     default_height: int
@@ -91,6 +96,8 @@ class CostFacts:
     token_pixels: int
     frames_per_latent: int
     negative_branch: NegativeBranchRule
+    condition_images: ConditionImageRule = ConditionImageRule()
+    model: str = "the served model"
 
     @classmethod
     def of(cls, pipeline: RolloutPipeline) -> "CostFacts":
@@ -102,6 +109,8 @@ class CostFacts:
             pipeline.token_pixels,
             pipeline.frames_per_latent,
             pipeline.negative_branch,
+            pipeline.condition_images,
+            pipeline.name,
         )
 
     def tokens_per_sample(self, height: int, width: int, num_frames: int) -> int:
@@ -117,10 +126,15 @@ class CostFacts:
         options = resolve_options(self, options)  # type: ignore[arg-type]
         tokens = self.tokens_per_sample(options.height, options.width, options.num_frames)
         branches = 2 if self.negative_branch.runs(options) else 1
-        rows = tree_rows(roots, options.num_inference_steps, lambda rows: rows)
+        # A root's input images add their tokens to each of its rows (at most, before resizing).
+        token_rows = sum(
+            tree_rows([root], options.num_inference_steps, lambda rows: rows)
+            * (tokens + len(root.images) * self.condition_images.most_tokens_per_image)
+            for root in roots
+        )
         leaves = sum(len(root.leaf_paths()) for root in roots)
         decoded = leaves * options.num_frames * self._token_grid(options.height, options.width)
-        return RequestCost(rows * branches * tokens + decoded)
+        return RequestCost(token_rows * branches + decoded)
 
     def sample_cost(self, num_inference_steps: int) -> RequestCost:
         """The cost of one plain sample at the model's defaults: the unit of the app's default budget."""

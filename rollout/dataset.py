@@ -6,8 +6,9 @@ schedule once (``schedule.sigmas``, ``schedule.timesteps``, ``schedule.model_tim
 ``index.json`` lists the shards, each with its byte size and SHA-256, the model that sampled it,
 the weight versions of its samples and its sampling options, and one record per sample (shard, row,
 prompt, seed, weight version, request; a tree rollout's leaf also its `branch_steps`,
-`branch_factors` and `branch_path`; a scored sample its `rewards` and `advantages`); ``complete``
-says whether the writer was closed.
+`branch_factors` and `branch_path`; a scored sample its `rewards` and `advantages`; an
+image-conditioned sample the digests of its prompt's `condition_images`, whose pixels the shard
+holds once each as ``condition_image.<digest>``); ``complete`` says whether the writer was closed.
 
 Nothing is ever half-written: each file is written under a temporary name, synced, then renamed,
 and the index is rewritten after each shard, so a writer stopped at any moment (an exception, a
@@ -40,6 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rollout.errors import RolloutError, clip, short_repr
+from rollout.input_images import InputImage
 from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
@@ -57,6 +59,8 @@ PER_SAMPLE_TENSORS = ("image", "final_latents", "log_probs", "latents", "latent_
 # (a two-expert model's `model_experts`) where the schedule has them.
 SCHEDULE_TENSORS = tuple(f.name for f in dataclasses.fields(ScheduleSnapshot))
 OPTIONAL_SCHEDULE_TENSORS = ("model_experts",)
+# A prompt's input images, each `(3, H, W)` uint8, stored once per shard as `condition_image.<digest>`.
+CONDITION_IMAGE = "condition_image"
 REGENERATE = "regenerate it with `python -m deployments.job` (which writes format 3)"
 # A message quotes a path and an excerpt or two, as `rollout.errors`' reasons do.
 MAX_MESSAGE_CHARS = 500
@@ -145,6 +149,8 @@ class RolloutDatasetWriter:
         tensors = {name: torch.stack([getattr(s, name) for s in samples]) for name in PER_SAMPLE_TENSORS}
         schedule = {name: getattr(batch.schedule, name) for name in SCHEDULE_TENSORS}
         tensors.update({f"schedule.{name}": t for name, t in schedule.items() if t is not None})
+        # A prompt's input images, once per shard whatever number of its samples it holds.
+        tensors.update({f"{CONDITION_IMAGE}.{i.digest}": i.pixels for s in samples for i in s.condition_images})
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
         # Cloned: safetensors refuses tensors that share memory (a schedule's may).
         save_file({name: t.contiguous().clone() for name, t in tensors.items()}, partial)
@@ -166,6 +172,8 @@ class RolloutDatasetWriter:
         for row, (sample, extra) in enumerate(zip(samples, records)):
             record = {"shard": shard, "row": row, "prompt": sample.prompt, "negative_prompt": sample.negative_prompt}
             record.update(seed=sample.seed, weight_version=sample.weight_version)
+            if sample.condition_images:
+                record["condition_images"] = [image.digest for image in sample.condition_images]
             if sample.branching:  # a tree's leaf: its tree and its path (rollout/tree.py)
                 branching = sample.branching
                 record.update(
@@ -351,11 +359,13 @@ def _load_shard(
         schedule, model = _proven_format_1_schedule(path, tensors, options, pipeline)
     else:
         schedule, model = _stored_schedule(path, tensors), info["model"]
+    condition_images = _condition_images(path, tensors, records)
     samples = [
         SampleTrajectory(
             schedule=schedule,
             prompt=record["prompt"],
             negative_prompt=record["negative_prompt"],
+            condition_images=condition_images[row],
             seed=record["seed"],
             weight_version=record.get("weight_version"),
             rewards=record.get("rewards"),
@@ -366,6 +376,29 @@ def _load_shard(
         for row, record in enumerate(records)
     ]
     return RolloutBatch(schedule, options, model, samples)
+
+
+def _condition_images(
+    path: Path, tensors: dict[str, torch.Tensor], records: list[dict[str, Any]]
+) -> list[tuple[InputImage, ...]]:
+    """Each record's input images, from the shard's `condition_image.<digest>` tensors; a prompt's
+    samples share one tuple. Raises `DamagedShardError` for an image missing or not its digest's."""
+    images: dict[str, InputImage] = {}
+    for digest in {digest for record in records for digest in record.get("condition_images", ())}:
+        name = f"{CONDITION_IMAGE}.{digest}"
+        _check_tensors(path, tensors, [name])
+        try:
+            image = InputImage(tensors[name])
+        except ValueError as error:
+            raise DamagedShardError(path, f"{name} is not an image: {error}") from None
+        if image.digest != digest:
+            raise DamagedShardError(path, f"{name} holds other pixels than its digest names")
+        images[digest] = image
+    shared: dict[tuple[str, ...], tuple[InputImage, ...]] = {}
+    return [
+        shared.setdefault(key, tuple(images[d] for d in key))
+        for key in (tuple(record.get("condition_images", ())) for record in records)
+    ]
 
 
 def _branch_fields(record: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout.codec import most_encoded_tensor_bytes, most_encoded_text_bytes
 from rollout.cost import COST_UNIT, CostFacts, RequestCost
 from rollout.errors import InvalidRequestError, short_repr
+from rollout.input_images import ImageInputLimits, InputImage, input_images_per_prompt
 from rollout.options import MAX_SEED, SamplingOptions, check_seed
 from rollout.sampler import resolve_options
 from rollout.schema import RolloutRequest
@@ -64,6 +65,15 @@ class RequestLimits(BaseModel):
     )
     # A 480x832, 81-frame Wan video keeps 8.4 MB per latent: its whole 50-step trajectory with the
     # debug tensors is 1.7 GB a sample. The ingress holds a response whole before it sends it.
+    max_input_image_bytes: int = Field(
+        32 * 2**20, ge=1, description="Largest input image (`image_path`), in encoded bytes (a file, or base64's bytes)."
+    )
+    max_input_image_pixels: int = Field(
+        4096 * 4096,
+        ge=1,
+        description="Most pixels (height x width) of one input image, read from its header before it is decoded.",
+    )
+    max_input_images_per_prompt: int = Field(4, ge=1, description="Most input images one prompt is conditioned on.")
     max_response_bytes: int = Field(
         4 * 2**30,
         ge=1,
@@ -122,6 +132,8 @@ class RolloutPlan:
         branching: the tree each root grows into: a prompt's samples are its roots' leaves, root
             after root (`rollout.tree`); no branch steps: every sample is a root.
         rewards: the scorers to score its samples with; None: no rewards.
+        images: each sample's prompt's input images (`image_path`), one tuple per sample, the same
+            tuple for every sample of a prompt; () for a request without images.
     """
 
     request_id: str
@@ -133,6 +145,7 @@ class RolloutPlan:
     seeds: tuple[int, ...]
     branching: Branching = Branching()
     rewards: RewardPlan | None = None
+    images: tuple[tuple[InputImage, ...], ...] = ()
 
     @property
     def num_outputs_per_prompt(self) -> int:
@@ -144,7 +157,7 @@ class RolloutPlan:
 
     def roots(self) -> list[TreeRoot]:
         """The request's samples as the roots they grow from, in request order (`rollout.tree`)."""
-        return roots_of(self.prompts, self.negative_prompts, self.seeds, self.branching)
+        return roots_of(self.prompts, self.negative_prompts, self.seeds, self.branching, self.images or None)
 
 
 def plan_rollout(
@@ -154,10 +167,12 @@ def plan_rollout(
     scorers: Collection[str] = (),
     max_batch_size: int | None = None,
     max_timeout_s: float | None = None,
+    allowed_image_paths: Sequence[str] = (),
 ) -> RolloutPlan:
     """Checks a request's values against the limits, the sampling rules, the app's `scorers`, its
     workers' `max_batch_size` (the most samples of one sampler call) and its `max_timeout_s` (the
     app's `request_timeout_s`: what `rollout_timeout_s` may ask for at most); None: no such bound.
+    Decodes its input images (`image_path`), reading files only under `allowed_image_paths`.
     Raises `InvalidRequestError`."""
     prompts = request.prompts()
     if not prompts:
@@ -189,6 +204,13 @@ def plan_rollout(
     if seed + num_samples - 1 > MAX_SEED:
         raise InvalidRequestError("seed", f"seed + number of samples - 1 must be <= {MAX_SEED}")
     options = _sampling_options(request, steps)
+    image_limits = ImageInputLimits(
+        limits.max_input_image_bytes,
+        limits.max_input_image_pixels,
+        limits.max_input_images_per_prompt,
+        tuple(allowed_image_paths),
+    )
+    prompt_images = input_images_per_prompt(request.image_path, len(prompts), isinstance(request.prompt, list), image_limits)
     return RolloutPlan(
         request_id=request_id or secrets.token_hex(8),
         request=request,
@@ -199,13 +221,16 @@ def plan_rollout(
         seeds=tuple(range(seed, seed + num_samples)),
         branching=_branching(request, options, max_batch_size),
         rewards=_rewards(request, scorers),
+        images=tuple(images for images in prompt_images for _ in range(per_prompt)),
     )
 
 
 def checked_cost(plan: RolloutPlan, facts: CostFacts, limits: RequestLimits) -> RequestCost:
     """The plan's cost in token-steps, by the served model's `facts`; `InvalidRequestError` naming
     the fields that drive it if it is over `limits.max_request_cost`. The ingress calls it right
-    after `plan_rollout`, once it has the facts from a worker replica."""
+    after `plan_rollout`, once it has the facts from a worker replica. Input images the model does
+    not take are refused here too, before anything is sent (`InvalidRequestError` naming ``image_path``)."""
+    facts.condition_images.check(_per_prompt(plan.images, plan.num_outputs_per_prompt), facts.model)
     cost = facts.request_cost(plan.roots(), plan.options)
     if cost.token_steps > limits.max_request_cost:
         frames = ", num_frames" if facts.default_num_frames > 1 else ""
@@ -225,17 +250,20 @@ def checked_against_model(
     negative_prompts: Sequence[str],
     samples_in_response: int,
     limits: RequestLimits,
+    images: Sequence[tuple[InputImage, ...]] = (),
 ) -> SamplingOptions:
     """The checks of a request's values that need the served model, which the ingress does not
     load: the worker makes them once, when a request's work arrives, before it is batched with
     other requests' (one bad request must not fail the others of its sampler call). Returns
     `options` with the model's defaults filled in, the one place they are (`resolve_options`).
 
-    Raises `InvalidRequestError` naming the field: a prompt the model cannot condition on, a size
+    Raises `InvalidRequestError` naming the field: a prompt the model cannot condition on, input
+    `images` (one tuple per sample) it does not take (`RolloutPipeline.condition_images`), a size
     or frame count it cannot make (`RolloutPipeline.latent_shape`), a step count its scheduler
     cannot make, or a response of more than `limits.max_response_bytes` over the
     `samples_in_response` samples of the whole request (`most_response_bytes_per_row`)."""
     model.check_prompts(prompts, negative_prompts)
+    model.condition_images.check(images, model.name)
     options = resolve_options(model, options)
     model.schedule(options.num_inference_steps, options.height, options.width, options.num_frames)
     latent_shape = model.latent_shape(options.height, options.width, options.num_frames)
@@ -281,6 +309,11 @@ def most_response_bytes_per_row(
         "prompt": max((most_encoded_text_bytes(p) for p in prompts), default=0),
         "other fields": _ROW_FIELD_BYTES + _ROW_BYTES_PER_STEP * options.num_inference_steps,
     }
+
+
+def _per_prompt(per_sample: Sequence[tuple[InputImage, ...]], per_prompt: int) -> Sequence[tuple[InputImage, ...]]:
+    """Each prompt's images, from one tuple per sample (prompt-major, `per_prompt` samples a prompt)."""
+    return per_sample[::per_prompt]
 
 
 def _rewards(request: RolloutRequest, scorers: Collection[str]) -> RewardPlan | None:
@@ -444,12 +477,10 @@ def _check_value_limits(request: RolloutRequest, limits: RequestLimits, steps: i
 
 
 def _check_input_fields(request: RolloutRequest) -> None:
-    """SGLang's video output and image-input fields: every model served here is text-to-image or
-    text-to-video. (A frame count is checked by the model, `RolloutPipeline.latent_shape`; a
-    frame rate by `SamplingOptions`.)"""
+    """SGLang's video output field. (A frame count is checked by the model,
+    `RolloutPipeline.latent_shape`; a frame rate by `SamplingOptions`; input images where they are
+    decoded, `rollout.input_images`, and counted against the model's `ConditionImageRule`.)"""
     if request.rollout_video_dtype not in VIDEO_DTYPES:
         raise InvalidRequestError(
             "rollout_video_dtype", f"must be one of {list(VIDEO_DTYPES)}, got {short_repr(request.rollout_video_dtype)}"
         )
-    if request.image_path:
-        raise InvalidRequestError("image_path", "the served model is text-to-image and takes no input image")

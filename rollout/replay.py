@@ -46,7 +46,9 @@ def _conditioning_of(
 ) -> BucketedConditioning:
     if all(s.denoising_env is not None for s in samples):
         return BucketedConditioning.stack([s.denoising_env for s in samples])
-    return pipeline.encode_prompts([s.prompt for s in samples], [s.negative_prompt for s in samples], options)
+    return pipeline.encode_prompts(
+        [s.prompt for s in samples], [s.negative_prompt for s in samples], options, [s.condition_images for s in samples]
+    )
 
 
 @torch.no_grad()
@@ -63,7 +65,7 @@ def replay_log_probs(
         schedule: the rollout's schedule, exactly as returned (never rebuilt from timesteps).
         options: the rollout's options, as returned with the batch (model defaults filled in).
         samples: samples of one rollout batch; their conditioning comes from `denoising_env`
-            when returned, otherwise the prompts are encoded again.
+            when returned, otherwise the prompts (and their input images) are encoded again.
     """
     steps = replayable_steps(_kept_steps(samples))
     if not steps:

@@ -362,7 +362,8 @@ def _prepare(pipeline: RolloutPipeline, roots: Sequence[TreeRoot], options: Samp
         if len(set(paths)) != len(paths):
             raise InvalidRequestError("branch_path", "a root grows each leaf once")
     prompts, negatives = [root.prompt for root in roots], [root.negative_prompt for root in roots]
-    conditioning = pipeline.encode_prompts(prompts, negatives, options).map(lambda t: t.cpu())
+    images = [root.images for root in roots]
+    conditioning = pipeline.encode_prompts(prompts, negatives, options, images).map(lambda t: t.cpu())
     schedule = pipeline.schedule(num_steps, options.height, options.width, options.num_frames)
     return _TreeRun(
         roots=roots,
@@ -475,11 +476,19 @@ def _decoded_leaves(
     rows_of_leaf = _rows_in_each_epoch(run.epochs)
     last = run.epochs[-1]
     row_of = {(node.root, node.path): row for row, node in enumerate(last.nodes)}
+    # One map per distinct prompt, negative prompt and input images, shared by their samples.
+    envs: dict[tuple, dict] = {}
     samples = []
     for r, paths in enumerate(run.root_paths):
         root = run.roots[r]
         if (r, paths[0]) not in row_of:  # abandoned
             continue
+        env = None
+        if run.options.return_denoising_env:
+            key = (root.prompt, root.negative_prompt, tuple(image.digest for image in root.images))
+            if key not in envs:
+                envs[key] = run.conditioning.row(r)
+            env = envs[key]
         for path in paths:
             row = row_of[(r, path)]
             rows = rows_of_leaf[row]
@@ -500,7 +509,8 @@ def _decoded_leaves(
                     latent_step_indices=latent_step_indices,
                     weight_version=weight_version,
                     debug=debug,
-                    denoising_env=run.conditioning.row(r) if run.options.return_denoising_env else None,
+                    denoising_env=env,
+                    condition_images=root.images,
                     branching=root.branching,
                     branch_path=path,
                 )

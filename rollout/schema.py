@@ -76,7 +76,13 @@ class RolloutRequest(BaseModel):
     rollout_return_dit_trajectory: bool = Field(False, description="Return latents, timesteps and sigmas.")
     rollout_sde_step_indices: Items[int] | None = Field(None, description="Stochastic steps; others run as ODE.")
     rollout_return_step_indices: Items[int] | None = Field(None, description="Latents to return; T is the final one.")
-    image_path: Items[str] | None = Field(None, description="Input images of image-to-image models.")
+    image_path: Any = Field(
+        None,
+        description="Input images of image-conditioned models: one image or a list per prompt (a list of one entry "
+        "per prompt when `prompt` is a list), each a data URI or base64 text of PNG/JPEG/WebP bytes, the bytes "
+        "themselves (msgpack), a tensor envelope ([C, H, W] uint8), a file path under the server's "
+        "allowed_image_paths (never a URL), or through the handle a PIL image or tensor (rollout/input_images.py).",
+    )
     suppress_logs: bool = Field(False, description="Report no `peak_memory_mb`, as SGLang (this server logs no requests).")
     extra_sampling_params: dict[str, Any] | None = Field(
         None, description="Overrides of the fields above, merged as SGLang merges them."

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from rollout.errors import NonFiniteOutputError
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
 from rollout.tree import Branching
+
+if TYPE_CHECKING:
+    from rollout.input_images import InputImage
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,10 @@ class SampleTrajectory:
         debug: per-step internals, when asked for.
         denoising_env: this sample's conditioning, when asked for: `Conditioning.row`'s map in
             SGLang's layout (`image_kwargs`, `pos_cond_kwargs`, `neg_cond_kwargs`, `guidance`),
-            tensors without the batch dimension.
+            tensors without the batch dimension. Samples of one prompt share one map (an
+            image-conditioned prompt's condition latents are held once, not per sample).
+        condition_images: its prompt's input images (`rollout.input_images`), the same tuple for
+            every sample of the prompt; () for a text prompt.
         branching: the branch steps and factors of the tree it is a leaf of (`rollout.tree`); none
             for an unbranched sample.
         branch_path: its child index at each branch step, from its root; () when unbranched.
@@ -89,6 +95,7 @@ class SampleTrajectory:
     weight_version: str | None = None
     debug: StepDebug | None = None
     denoising_env: dict[str, Any] | None = None
+    condition_images: tuple[InputImage, ...] = ()
     branching: Branching = Branching()
     branch_path: tuple[int, ...] = ()
     rewards: dict[str, float | None] | None = None

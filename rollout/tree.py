@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from rollout.errors import InvalidRequestError, short_repr
 from rollout.options import SamplingOptions
 from rollout.transitions import TransitionKind
+
+if TYPE_CHECKING:
+    from rollout.input_images import InputImage
 
 STEPS_FIELD = "rollout_branch_steps"
 FACTORS_FIELD = "rollout_branch_factors"
@@ -152,6 +155,8 @@ class TreeRoot:
         seed: the root's seed, its first leaf's.
         paths: the leaves to grow, as branch paths, in the order to return them; None: every leaf,
             in order (leaf number 0 .. L - 1).
+        images: its prompt's input images (an image-conditioned model's), the same tuple for every
+            root of the prompt; () for a text prompt.
     """
 
     prompt: str
@@ -159,6 +164,7 @@ class TreeRoot:
     seed: int
     branching: Branching = Branching()
     paths: tuple[tuple[int, ...], ...] | None = None
+    images: tuple[InputImage, ...] = ()
 
     def leaf_paths(self) -> tuple[tuple[int, ...], ...]:
         if self.paths is None:
@@ -168,14 +174,27 @@ class TreeRoot:
     @classmethod
     def of_leaf(cls, leaf) -> "TreeRoot":
         """The root that grows `leaf` (a `SampleTrajectory`) alone: the same bits as in its tree."""
-        return cls(leaf.prompt, leaf.negative_prompt, leaf.root_seed, leaf.branching, paths=(leaf.branch_path,))
+        return cls(
+            leaf.prompt,
+            leaf.negative_prompt,
+            leaf.root_seed,
+            leaf.branching,
+            paths=(leaf.branch_path,),
+            images=leaf.condition_images,
+        )
 
 
 def roots_of(
-    prompts: Sequence[str], negative_prompts: Sequence[str], seeds: Sequence[int], branching: Branching
+    prompts: Sequence[str],
+    negative_prompts: Sequence[str],
+    seeds: Sequence[int],
+    branching: Branching,
+    images: Sequence[tuple[InputImage, ...]] | None = None,
 ) -> list[TreeRoot]:
     """A request's samples (leaves, request order) as its roots: blocks of `leaves_per_root`
-    consecutive samples, each block one prompt and consecutive seeds."""
+    consecutive samples, each block one prompt (with its input `images`, one tuple per sample,
+    shared by a prompt's samples; None: no images) and consecutive seeds."""
+    images = [()] * len(seeds) if images is None else images
     per_root = branching.leaves_per_root
     if len(seeds) % per_root:
         raise InvalidRequestError(
@@ -185,9 +204,14 @@ def roots_of(
     roots = []
     for start in range(0, len(seeds), per_root):
         block = range(start + 1, start + per_root)
-        if any(prompts[i] != prompts[start] or negative_prompts[i] != negative_prompts[start] for i in block):
-            raise InvalidRequestError("prompt", f"the {per_root} samples of a root need one prompt and negative prompt")
+        if any(
+            prompts[i] != prompts[start] or negative_prompts[i] != negative_prompts[start] or images[i] != images[start]
+            for i in block
+        ):
+            raise InvalidRequestError(
+                "prompt", f"the {per_root} samples of a root need one prompt, negative prompt and input images"
+            )
         if any(seeds[i] != seeds[start] + i - start for i in block):
             raise InvalidRequestError("seed", f"the {per_root} samples of a root need consecutive seeds")
-        roots.append(TreeRoot(prompts[start], negative_prompts[start], seeds[start], branching))
+        roots.append(TreeRoot(prompts[start], negative_prompts[start], seeds[start], branching, images=images[start]))
     return roots

@@ -42,6 +42,15 @@ def tiny_family_dirs(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def tiny_conditioned_dirs(tmp_path_factory) -> dict:
+    """Name -> the tiny random-weight copy of each image-conditioned family (`rollout.testing.families`),
+    saved as a diffusers directory."""
+    from rollout.testing.families import CONDITIONED_FAMILIES
+
+    return _build(tmp_path_factory.mktemp("conditioned_families"), CONDITIONED_FAMILIES)
+
+
+@pytest.fixture(scope="session")
 def tiny_video_dirs(tmp_path_factory) -> dict:
     """Name -> the tiny random-weight copy of each video family or layout (`rollout.testing.families`),
     saved as a diffusers directory."""

@@ -11,7 +11,7 @@ import pytest
 from rollout.cost import CostFacts, RequestCost, TransformerCost, transformer_cost
 from rollout.kernels import BatchInvariance
 from rollout.micro_batching import MicroBatching
-from rollout.models.base import NegativeBranchRule
+from rollout.models.base import ConditionImageRule, NegativeBranchRule
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, resolve_options, sample_tree
@@ -120,7 +120,9 @@ def test_costs_add_up():
 
 def test_a_requests_token_steps_count_tokens_branches_steps_a_trees_nodes_and_the_decode(embedded_pipeline):
     facts = CostFacts.of(embedded_pipeline)
-    assert facts == CostFacts(16, 16, 1, 2.0, 2, 1, NegativeBranchRule("cfg_scale", also_below_one=True))
+    assert facts == CostFacts(
+        16, 16, 1, 2.0, 2, 1, NegativeBranchRule("cfg_scale", also_below_one=True), ConditionImageRule(), "embedded-digits"
+    )
     plain = [TreeRoot(str(i), "", i) for i in range(3)]
     # 64 tokens (16x16 pixels, 2 a side of a token) x 2 branches (the default guidance, 2.0) x the
     # steps, and the decode: 64 a sample.

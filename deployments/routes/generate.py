@@ -3,6 +3,7 @@
 Needs from the ingress: `config` (`RolloutAppConfig`), `bodies` (`BodyReader`) and `dispatcher` (`Dispatcher`).
 """
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -39,7 +40,16 @@ class GenerateRoutes:
             scorers=self.config.scorers.keys(),
             max_batch_size=self.config.max_batch_size,
             max_timeout_s=self.config.request_timeout_s,
+            allowed_image_paths=self.config.allowed_image_paths,
         )
+
+    async def _planned(self, request: RolloutRequest | dict[str, Any]) -> RolloutPlan:
+        """`_plan`, on a thread where the request has input images: decoding a large one takes a
+        while, and the ingress's event loop serves every other request meanwhile."""
+        images = request.get("image_path") if isinstance(request, dict) else getattr(request, "image_path", None)
+        if images is None:
+            return self._plan(request)
+        return await asyncio.to_thread(self._plan, request)
 
     async def generate(self, request: RolloutRequest | dict[str, Any], client_id: str | None = None) -> RolloutResult:
         """Handle API: validates and dispatches; raises `InvalidRequestError` naming a bad field (a
@@ -47,7 +57,7 @@ class GenerateRoutes:
         and the client's fair share of it, and `DeadlineExceededError` if the request's deadline
         passes before it is sent (its fetch is held to the same deadline: `RolloutResult`).
         `client_id` names the caller for the fair shares; callers without one share one share."""
-        plan = self._plan(request)
+        plan = await self._planned(request)
         client = HANDLE_CLIENT if client_id is None else f"{HANDLE_CLIENT} {clip(client_id)}"
         return await self.dispatcher.dispatch(plan, self.dispatcher.deadline(plan), client)
 
@@ -64,7 +74,7 @@ class GenerateRoutes:
         plan = None
         try:
             body = await self.bodies.read(http_request)
-            plan = self._plan(body)
+            plan = await self._planned(body)
             fetched = await self.dispatcher.sampled(plan, http_client(http_request))
             batch = fetched.batch()
         except Exception as error:

@@ -23,6 +23,8 @@ from rollout.schedule import ScheduleSnapshot
 if TYPE_CHECKING:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
+    from rollout.input_images import InputImage
+
 
 def cfg_scale(options: SamplingOptions) -> float:
     """The weight of a model whose only guidance is classifier-free guidance: SGLang's
@@ -69,6 +71,46 @@ def batched_cfg_velocity(
     with branches_in_one_call(2):
         v_uncond, v_cond = run(torch.cat([x_t, x_t]), torch.cat([timestep, timestep]), both).chunk(2)
     return v_uncond + scale * (v_cond - v_uncond)
+
+
+@dataclass(frozen=True)
+class ConditionImageRule:
+    """The input images (`image_path`) a model's prompt takes, and how it prepares them.
+
+    Attributes:
+        most_per_prompt: the most images one prompt takes; 0: a text-only model.
+        least_per_prompt: the fewest (0: a prompt may come without an image).
+        preprocessing: how an image is resized before it is encoded, in words (`/rollout/info`).
+        most_tokens_per_image: the most transformer tokens one image adds to each of its samples'
+            rows, whatever its size (what `rollout.cost` counts for it, before it is resized).
+    """
+
+    most_per_prompt: int = 0
+    least_per_prompt: int = 0
+    preprocessing: str | None = None
+    most_tokens_per_image: int = 0
+
+    def check(self, images: Sequence[Sequence[Any]], model: str) -> None:
+        """Raises `InvalidRequestError` naming ``image_path`` (and the prompt's index) unless every
+        prompt's images (one sequence per prompt or sample) number what the model takes."""
+        for i, prompt_images in enumerate(images):
+            count = len(prompt_images)
+            if self.most_per_prompt == 0 and count:
+                raise InvalidRequestError("image_path", f"model {model!r} is text-to-image and takes no input image")
+            if not self.least_per_prompt <= count <= self.most_per_prompt:
+                raise InvalidRequestError(
+                    f"image_path[{i}]",
+                    f"model {model!r} takes {self.least_per_prompt} to {self.most_per_prompt} images per prompt, "
+                    f"got {count}",
+                )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "most_per_prompt": self.most_per_prompt,
+            "least_per_prompt": self.least_per_prompt,
+            "preprocessing": self.preprocessing,
+            "most_tokens_per_image": self.most_tokens_per_image,
+        }
 
 
 def check_image_frames(num_frames: int, model: str) -> None:
@@ -152,6 +194,8 @@ class RolloutPipeline(Protocol):
     # The denoisers' `weight_modules` names, in the order `ScheduleSnapshot.model_experts` indexes
     # them: ("transformer",) for a model with one.
     experts: tuple[str, ...]
+    # The input images a prompt takes (none for a text-to-image or text-to-video model).
+    condition_images: ConditionImageRule
 
     @property
     def device(self) -> torch.device: ...
@@ -189,14 +233,21 @@ class RolloutPipeline(Protocol):
         ...
 
     def encode_prompts(
-        self, prompts: Sequence[str], negative_prompts: Sequence[str], options: SamplingOptions
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str],
+        options: SamplingOptions,
+        images: Sequence[tuple[InputImage, ...]] | None = None,
     ) -> BucketedConditioning:
-        """Encodes one prompt (and one negative prompt) per sample, each alone.
+        """Encodes one prompt (and one negative prompt, and the prompt's input `images`: one tuple
+        per sample, None for none) per sample, each distinct prompt and image set once and alone.
 
         `options` (with the model's defaults filled in) says whether the negative branch runs;
         when it does not, `neg_cond_kwargs` is None. Rows whose tensors differ in shape (a text
-        padded to its own length bucket) go to different buckets. Raises `UnknownPromptError`
-        naming ``prompt`` or ``negative_prompt`` for a prompt the model cannot condition on.
+        padded to its own length bucket, condition images of another size) go to different
+        buckets. Raises `UnknownPromptError` naming ``prompt`` or ``negative_prompt`` for a prompt
+        the model cannot condition on, `InvalidRequestError` naming ``image_path`` for images it
+        does not take (`condition_images`).
         """
         ...
 

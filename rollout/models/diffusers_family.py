@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence
 
 import diffusers
 import numpy as np
@@ -32,9 +32,18 @@ from rollout.conditioning import BucketedConditioning, Conditioning
 from rollout.errors import ModelLoadError, UnknownPromptError
 from rollout.kernels import zero_padded
 from rollout.micro_batching import MicroBatching
-from rollout.models.base import ImageSizeLimits, NegativeBranchRule, check_image_frames, check_single_denoiser
+from rollout.models.base import (
+    ConditionImageRule,
+    ImageSizeLimits,
+    NegativeBranchRule,
+    check_image_frames,
+    check_single_denoiser,
+)
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
+
+if TYPE_CHECKING:
+    from rollout.input_images import InputImage
 
 
 def read_model_index(path: str | Path) -> dict[str, Any]:
@@ -58,6 +67,11 @@ def read_model_index(path: str | Path) -> dict[str, Any]:
     if missing:
         raise ModelLoadError("model.path", f"{path} lacks the component folder(s) {missing} that model_index.json lists")
     return index
+
+
+def _images_key(images: Sequence[InputImage]) -> tuple[str, ...]:
+    """A prompt's input images by their pixels: equal images are encoded once."""
+    return tuple(image.digest for image in images)
 
 
 def stacked_in_one_buffer(rows: int, parts: Iterator[torch.Tensor]) -> torch.Tensor:
@@ -96,6 +110,7 @@ class DiffusersFamily:
     default_num_frames: ClassVar[int] = 1  # an image
     frames_per_latent: int = 1  # an image; a video family sets its VAE's
     negative_branch: ClassVar[NegativeBranchRule]
+    condition_images: ClassVar[ConditionImageRule] = ConditionImageRule()  # text only
 
     def __init__(
         self,
@@ -252,32 +267,55 @@ class DiffusersFamily:
                     raise UnknownPromptError(field, f"expected a string, got {type(text).__name__}")
 
     def encode_prompts(
-        self, prompts: Sequence[str], negative_prompts: Sequence[str], options: SamplingOptions
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str],
+        options: SamplingOptions,
+        images: Sequence[tuple[InputImage, ...]] | None = None,
     ) -> BucketedConditioning:
         self.check_prompts(prompts, negative_prompts)
+        images = [()] * len(prompts) if images is None else list(images)
+        self.condition_images.check(images, self.name)
         negatives = negative_prompts if self.uses_negative_branch(options) else None
+        # Each distinct text and image set is encoded once, alone: a prompt's fan-out shares it.
         encoded: dict[str, dict[str, torch.Tensor]] = {}
+        encoded_images: dict[tuple[str, ...], dict[str, torch.Tensor]] = {(): {}}
         with torch.no_grad():
             for text in (*prompts, *(negatives or ())):
                 if text not in encoded:
                     encoded[text] = self.encode_prompt(text, options)
+            for prompt_images in images:
+                if _images_key(prompt_images) not in encoded_images:
+                    encoded_images[_images_key(prompt_images)] = self.encode_images(prompt_images, options)
 
-        def stacked(texts: Sequence[str]) -> dict[str, torch.Tensor]:
-            return {name: torch.cat([encoded[t][name] for t in texts]) for name in encoded[texts[0]]}
+        def stacked(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+            return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
         def conditioning_of(rows: list[int]) -> Conditioning:
+            condition = stacked([encoded_images[_images_key(images[i])] for i in rows])
             return Conditioning(
-                image_kwargs=self.image_kwargs(len(rows), options),
-                pos_cond_kwargs=stacked([prompts[i] for i in rows]),
-                neg_cond_kwargs=None if negatives is None else stacked([negatives[i] for i in rows]),
+                image_kwargs={**(self.image_kwargs(len(rows), options) or {}), **condition} or None,
+                pos_cond_kwargs=stacked([encoded[prompts[i]] for i in rows]),
+                neg_cond_kwargs=None if negatives is None else stacked([encoded[negatives[i]] for i in rows]),
                 guidance=self.guidance(len(rows), options),
             )
 
-        def text_shapes(texts: Sequence[str] | None, row: int) -> tuple:
+        def shapes(texts: Sequence[str] | None, row: int) -> tuple:
             return () if texts is None else tuple(t.shape for t in encoded[texts[row]].values())
 
-        keys = [(text_shapes(prompts, row), text_shapes(negatives, row)) for row in range(len(prompts))]
+        def condition_shapes(row: int) -> tuple:
+            return tuple(t.shape for t in encoded_images[_images_key(images[row])].values())
+
+        keys = [(shapes(prompts, row), shapes(negatives, row), condition_shapes(row)) for row in range(len(prompts))]
         return BucketedConditioning.grouped(keys, conditioning_of)
+
+    def encode_images(self, images: tuple[InputImage, ...], options: SamplingOptions) -> dict[str, torch.Tensor]:
+        """One prompt's input images as the transformer's image inputs (`image_kwargs`), each
+        `(1, ...)`, encoded alone, for a request with `options`; {} for none. A family that takes
+        images (`condition_images`) says how."""
+        if images:
+            raise NotImplementedError(f"model {self.name!r} takes no input images")
+        return {}
 
     def conditioning_bytes(self, options: SamplingOptions) -> tuple[int, ...]:
         # The image inputs and the guidance are made from the options alone: made here for one sample.
@@ -414,19 +452,33 @@ class PackedLatentFamily(DiffusersFamily):
     ) -> torch.Tensor:
         check_single_denoiser(expert)
         tokens = self.pack(x_t)
+        noise_tokens = tokens.shape[1]
+        condition = self.condition_tokens(conditioning)
+        if condition is not None:  # after the noise tokens, as the editing pipelines concatenate them
+            tokens = torch.cat([tokens, condition.to(tokens.dtype)], dim=1)
         inputs = self.transformer_inputs(conditioning)
-        velocity = self.run_transformer(tokens, timestep, **inputs(conditioning.pos_cond_kwargs))
+
+        def velocity_of(branch: dict[str, torch.Tensor]) -> torch.Tensor:
+            # The condition's own outputs are dropped: only the noise tokens move.
+            return self.run_transformer(tokens, timestep, **inputs(branch))[:, :noise_tokens]
+
+        velocity = velocity_of(conditioning.pos_cond_kwargs)
         if self.uses_negative_branch(options):
             if conditioning.neg_cond_kwargs is None:
                 raise ValueError("true CFG needs the negative branch's conditioning (neg_cond_kwargs)")
             # A separate call, as the pipelines make it.
-            negative = self.run_transformer(tokens, timestep, **inputs(conditioning.neg_cond_kwargs))
+            negative = velocity_of(conditioning.neg_cond_kwargs)
             velocity = self.combine_guidance(velocity, negative, options.true_cfg_scale)
         return self.unpack(velocity, x_t.shape[-2], x_t.shape[-1])
 
     def transformer_inputs(self, conditioning: Conditioning):
         """A function from one branch's cond kwargs to the transformer's keyword arguments."""
         raise NotImplementedError
+
+    def condition_tokens(self, conditioning: Conditioning) -> torch.Tensor | None:
+        """`(B, n, C)` packed tokens of the input images, which the transformer sees after the noise
+        tokens; None for a text-only model."""
+        return None
 
     def combine_guidance(self, positive: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
         return negative + scale * (positive - negative)

@@ -22,6 +22,7 @@ from rollout.conditioning import BucketedConditioning, Conditioning
 from rollout.errors import InvalidRequestError, UnknownPromptError, short_repr
 from rollout.micro_batching import MicroBatching
 from rollout.models.base import (
+    ConditionImageRule,
     ImageSizeLimits,
     NegativeBranchRule,
     batched_cfg_velocity,
@@ -37,6 +38,8 @@ from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 # weights path alone, and diffusers was about half of the ingress's 10 s of imports.
 if TYPE_CHECKING:
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    from rollout.input_images import InputImage
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "digit-flow"
 IMAGE_SIZE = 16
@@ -127,6 +130,7 @@ class DigitFlowPipeline:
     negative_branch = NegativeBranchRule("cfg_scale", also_below_one=True)
     token_pixels = PATCH_SIZE
     frames_per_latent = 1
+    condition_images = ConditionImageRule()  # text (a digit) only
 
     def __init__(
         self,
@@ -235,8 +239,13 @@ class DigitFlowPipeline:
         self._class_ids(prompts, negative_prompts)
 
     def encode_prompts(
-        self, prompts: Sequence[str], negative_prompts: Sequence[str], options: SamplingOptions
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str],
+        options: SamplingOptions,
+        images: Sequence[tuple[InputImage, ...]] | None = None,
     ) -> BucketedConditioning:
+        self.condition_images.check(images or (), self.name)
         positive_ids, negative_ids = self._class_ids(prompts, negative_prompts)
         with torch.no_grad():
             positive = self._transformer_kwargs(positive_ids)

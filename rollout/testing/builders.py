@@ -23,6 +23,7 @@ from diffusers import (
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     LTXPipeline,
@@ -226,7 +227,9 @@ def build_tiny_sd3(path: Path, transformer_heads: int = 2) -> Path:
     return path
 
 
-def build_tiny_flux(path: Path, guidance_embeds: bool = True, transformer_heads: int = 2) -> Path:
+def build_tiny_flux(
+    path: Path, guidance_embeds: bool = True, transformer_heads: int = 2, pipeline_class: type = FluxPipeline
+) -> Path:
     """Save a tiny FLUX.1-like `FluxPipeline` to `path` and return `path`.
 
     CLIP-L `CLIPTextModel` (hidden 32, its pooled output conditions the transformer), a T5 encoder
@@ -252,7 +255,7 @@ def build_tiny_flux(path: Path, guidance_embeds: bool = True, transformer_heads:
         guidance_embeds=guidance_embeds,
         axes_dims_rope=(4, 6, 6),  # sums to the head dim, like (16, 56, 56) for 128
     )
-    pipe = FluxPipeline(
+    pipe = pipeline_class(
         scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX_SCHEDULER),
         vae=_vae(scaling_factor=0.3611, shift_factor=0.1159),
         text_encoder=text_encoder,
@@ -263,6 +266,12 @@ def build_tiny_flux(path: Path, guidance_embeds: bool = True, transformer_heads:
     )
     pipe.save_pretrained(path)
     return path
+
+
+def build_tiny_flux_kontext(path: Path, transformer_heads: int = 2) -> Path:
+    """Save a tiny FLUX.1-Kontext-dev-like `FluxKontextPipeline` to `path` and return `path`: the
+    components of `build_tiny_flux` (Kontext-dev is FLUX.1-dev's architecture, guidance embedded)."""
+    return build_tiny_flux(path, transformer_heads=transformer_heads, pipeline_class=FluxKontextPipeline)
 
 
 def build_tiny_qwenimage(path: Path, transformer_heads: int = 2) -> Path:

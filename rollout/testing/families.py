@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from rollout.models.digits import DigitFlowPipeline
 from rollout.models.flux import FluxFamily
+from rollout.models.flux_kontext import FluxKontextFamily
 from rollout.models.ltx import LTXVideoFamily
 from rollout.models.qwenimage import QwenImageFamily
 from rollout.models.sd3 import StableDiffusion3Family
@@ -119,6 +120,9 @@ class TinyFamily:
         requests: what `benchmarks.properties` draws for the model (None: another copy of the same
             model stands for it).
         gpu_check: how `scripts/gpu_check.py` runs it at its published size (None: it does not).
+        condition_images: input images per prompt its tests send (0: a text-to-image or
+            text-to-video model); such a copy is tested by `tests/test_image_conditioned.py`, not
+            with the text-to-image families.
     """
 
     name: str
@@ -134,6 +138,7 @@ class TinyFamily:
     inputs: TransformerInputs | None = None
     requests: RequestSpace | None = None
     gpu_check: GpuCheck | None = None
+    condition_images: int = 0
 
     @property
     def model(self) -> str:
@@ -203,6 +208,22 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             gpu_check=GpuCheck("flux1_dev", budget_weight=1.6),
         ),
         TinyFamily(
+            "flux_kontext",
+            FluxKontextFamily,
+            "build_tiny_flux_kontext",
+            guided={"true_cfg_scale": 2.5},
+            unguided={"guidance_scale": 2.5},  # FLUX.1-Kontext-dev's embedded guidance, no CFG
+            trained={"guidance_scale": 2.5},
+            inputs=TransformerInputs(
+                frozenset({"encoder_hidden_states", "pooled_projections", "txt_ids"}),
+                image=frozenset({"img_ids", "condition_latents", "condition_ids"}),
+                guidance=True,
+                time_per_1000=True,
+            ),
+            requests=RequestSpace(WORDS, budget=4, sizes=(32,), guidance_scales=(None, 2.5), true_cfg_scales=(None, 2.0)),
+            condition_images=1,
+        ),
+        TinyFamily(
             "qwenimage",
             QwenImageFamily,
             "build_tiny_qwenimage",
@@ -263,5 +284,11 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     )
 }
 # The names of the copies of real image families and of video families: what the tests' fixtures build.
-IMAGE_FAMILIES = [name for name, record in TINY_FAMILIES.items() if not record.video and not record.embedded]
+IMAGE_FAMILIES = [
+    name
+    for name, record in TINY_FAMILIES.items()
+    if not record.video and not record.embedded and not record.condition_images
+]
+# The copies of image-conditioned families (editing, image-to-video).
+CONDITIONED_FAMILIES = [name for name, record in TINY_FAMILIES.items() if record.condition_images]
 VIDEO_FAMILIES = [name for name, record in TINY_FAMILIES.items() if record.video]

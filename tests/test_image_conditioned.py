@@ -1,0 +1,182 @@
+"""Image-conditioned families (editing: FLUX.1-Kontext) through the rollout library, on tiny
+random-weight copies saved as diffusers directories (`rollout.testing.families`).
+
+The reference is diffusers' own `pipeline(image=..., ...)`; the condition is per prompt: encoded
+once, shared by the prompt's samples, and part of the exact record a replay reads.
+"""
+
+import pytest
+import torch
+
+from rollout.dataset import RolloutDatasetWriter, load_rollouts
+from rollout.errors import InvalidRequestError
+from rollout.input_images import ImageInputLimits, decode_input_image
+from rollout.micro_batching import MicroBatching
+from rollout.models.registry import load_pipeline
+from rollout.options import SamplingOptions
+from rollout.replay import replay_log_probs
+from rollout.sampler import sample_tree
+from rollout.testing.families import CONDITIONED_FAMILIES, TINY_FAMILIES
+from rollout.transitions import TransitionKind
+from rollout.tree import Branching, TreeRoot
+
+SIZE = 32
+STEPS = 2
+
+
+def random_image(height: int, width: int, seed: int):
+    pixels = torch.randint(0, 256, (3, height, width), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    return decode_input_image(pixels, "image_path", ImageInputLimits())
+
+
+# Aspect ratios that the pipeline resizes to conditions of different sizes (token counts).
+WIDE, TALL = random_image(40, 72, 0), random_image(64, 24, 1)
+
+
+@pytest.fixture(scope="module")
+def pipelines(tiny_conditioned_dirs):
+    cache = {}
+
+    def load(family: str, dtype: str = "float32", micro_batch_size: int = 2):
+        key = (family, dtype, micro_batch_size)
+        if key not in cache:
+            cache[key] = load_pipeline(
+                family,
+                tiny_conditioned_dirs[family],
+                device="cpu",
+                dtype=getattr(torch, dtype),
+                micro_batching=MicroBatching(micro_batch_size),
+            )
+        return cache[key]
+
+    return load
+
+
+def options_for(family: str, guided: bool = False, **fields) -> SamplingOptions:
+    record = TINY_FAMILIES[family]
+    guidance = record.guided if guided else record.unguided
+    return SamplingOptions(**{"num_inference_steps": STEPS, "height": SIZE, "width": SIZE, **guidance, **fields})
+
+
+def edit(pipeline, roots, options):
+    return sample_tree(pipeline, roots, options).batch
+
+
+@pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
+@pytest.mark.parametrize("guided", [False, True], ids=["unguided", "guided"])
+def test_the_ode_path_reproduces_the_diffusers_pipeline_given_the_same_image(pipelines, family, guided):
+    alone = pipelines(family, micro_batch_size=1)  # the pipeline's own calls, row for row
+    options = options_for(family, guided, sde_type=TransitionKind.ODE)
+    negative = "blurry" if guided else ""
+    batch = edit(alone, [TreeRoot("make it red", negative, 11, images=(WIDE,))], options)
+    guidance = TINY_FAMILIES[family].guided if guided else TINY_FAMILIES[family].unguided
+    expected = alone.pipe(
+        image=WIDE.to_pil(),
+        prompt="make it red",
+        negative_prompt=negative or None,
+        height=SIZE,
+        width=SIZE,
+        max_area=SIZE * SIZE,  # the request's size is the output size (rollout/models/flux_kontext.py)
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(11),
+        output_type="latent",
+        **guidance,
+    ).images
+    expected = alone.unpack(expected.float(), SIZE // 8, SIZE // 8)
+    assert torch.equal(batch.samples[0].final_latents, expected[0])
+
+
+@pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
+def test_the_condition_is_encoded_once_per_prompt_and_shared_by_its_samples(pipelines, family):
+    pipeline = pipelines(family)
+    encodes = []
+    hook = pipeline.vae.encoder.register_forward_hook(lambda module, args, output: encodes.append(args[0].shape))
+    try:
+        options = options_for(family, return_denoising_env=True)
+        roots = [TreeRoot("make it red", "", seed, images=(WIDE,)) for seed in range(4)]
+        batch = edit(pipeline, roots, options)
+    finally:
+        hook.remove()
+    assert len(encodes) == 1  # four samples of one prompt and image: one VAE encode
+    envs = {id(sample.denoising_env) for sample in batch.samples}
+    assert len(envs) == 1  # held once for the prompt, not copied per sample
+    assert all(sample.condition_images == (WIDE,) for sample in batch.samples)
+    env = batch.samples[0].denoising_env
+    assert set(env["image_kwargs"]) == TINY_FAMILIES[family].inputs.image
+    height, width = pipeline.condition_size(WIDE)
+    tokens = (height // 16) * (width // 16)
+    assert env["image_kwargs"]["condition_latents"].shape[0] == tokens
+    assert env["image_kwargs"]["img_ids"].shape[0] == (SIZE // 16) ** 2
+
+
+@pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
+def test_conditions_of_two_sizes_in_one_call_keep_each_samples_bits(pipelines, family):
+    pipeline = pipelines(family)
+    options = options_for(family, guided=True)
+    assert pipeline.condition_size(WIDE) != pipeline.condition_size(TALL)
+    roots = [
+        TreeRoot("make it red", "blurry", 5, images=(WIDE,)),
+        TreeRoot("a hat", "", 6, images=(TALL,)),
+        TreeRoot("make it red", "blurry", 7, images=(TALL,)),
+        TreeRoot("no image at all", "", 8),
+    ]
+    together = edit(pipeline, roots, options)
+    for root, sample in zip(roots, together.samples):
+        alone = edit(pipeline, [root], options).samples[0]
+        assert torch.equal(alone.latents, sample.latents)
+        assert torch.equal(alone.log_probs, sample.log_probs)
+    again = edit(pipeline, roots, options)  # seeded: the same request gives the same bits
+    assert all(torch.equal(a.image, b.image) for a, b in zip(together.samples, again.samples))
+
+
+@pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replay_from_the_returned_env_and_from_the_images_again_is_exact(pipelines, family, dtype):
+    pipeline = pipelines(family, dtype)
+    options = options_for(family, guided=True, return_denoising_env=True)
+    roots = [TreeRoot("make it red", "blurry", 3, images=(WIDE,)), TreeRoot("a hat", "", 4, images=(TALL,))]
+    batch = edit(pipeline, roots, options)
+    from_env = replay_log_probs(pipeline, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(from_env.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+    without_env = [sample.__class__(**{**vars(sample), "denoising_env": None}) for sample in batch.samples]
+    encoded_again = replay_log_probs(pipeline, batch.schedule, batch.options, without_env)
+    assert torch.equal(encoded_again.log_probs, from_env.log_probs)
+
+
+@pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
+def test_a_tree_grows_from_one_edit_prompt_and_a_leaf_regrows_alone(pipelines, family):
+    pipeline = pipelines(family)
+    options = options_for(family, sde_type=TransitionKind.SDE, num_inference_steps=3)
+    branching = Branching((1,), (2,))
+    leaves = edit(pipeline, [TreeRoot("make it red", "", 20, branching, images=(WIDE,))], options).samples
+    assert len(leaves) == 2 and not torch.equal(leaves[0].final_latents, leaves[1].final_latents)
+    alone = edit(pipeline, [TreeRoot.of_leaf(leaves[1])], options).samples[0]
+    assert torch.equal(alone.latents, leaves[1].latents)
+
+
+@pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
+def test_a_dataset_keeps_the_condition_images_for_a_replay(pipelines, family, tmp_path):
+    pipeline = pipelines(family)
+    options = options_for(family)
+    batch = edit(pipeline, [TreeRoot("make it red", "", 1, images=(WIDE,)), TreeRoot("a hat", "", 2, images=(TALL,))], options)
+    with RolloutDatasetWriter(tmp_path / "set") as writer:
+        writer.write(batch)
+    _, (loaded,) = load_rollouts(tmp_path / "set")
+    assert [tuple(i.digest for i in s.condition_images) for s in loaded.samples] == [(WIDE.digest,), (TALL.digest,)]
+    assert torch.equal(loaded.samples[1].condition_images[0].pixels, TALL.pixels)
+    replayed = replay_log_probs(pipeline, loaded.schedule, loaded.options, loaded.samples)
+    assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+
+
+@pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
+def test_more_images_than_the_model_takes_are_refused_naming_the_field(pipelines, family):
+    pipeline = pipelines(family)
+    most = pipeline.condition_images.most_per_prompt
+    with pytest.raises(InvalidRequestError, match=r"image_path\[0\]: .* takes 0 to 1 images per prompt, got 2"):
+        edit(pipeline, [TreeRoot("x", "", 1, images=(WIDE,) * (most + 1))], options_for(family))
+
+
+def test_a_text_to_image_model_refuses_an_input_image():
+    pipeline = load_pipeline(device="cpu")
+    with pytest.raises(InvalidRequestError, match="image_path: .* takes no input image"):
+        sample_tree(pipeline, [TreeRoot("3", "", 1, images=(WIDE,))], SamplingOptions(num_inference_steps=2))
