@@ -55,7 +55,16 @@ def pipelines(tiny_conditioned_dirs):
 def options_for(family: str, guided: bool = False, **fields) -> SamplingOptions:
     record = TINY_FAMILIES[family]
     guidance = record.guided if guided else record.unguided
-    return SamplingOptions(**{"num_inference_steps": STEPS, "height": SIZE, "width": SIZE, **guidance, **fields})
+    size = {"num_inference_steps": STEPS, "height": SIZE, "width": SIZE, "num_frames": record.frames}
+    return SamplingOptions(**{**size, **guidance, **fields})
+
+
+# What each family's diffusers pipeline is given besides the prompts, the size, the steps, the
+# generator and the guidance, for the request's output size and `image` (a PIL image).
+PIPELINE_ARGUMENTS = {
+    # The request's size is the output size (rollout/models/flux_kontext.py).
+    "flux_kontext": lambda image: {"image": image, "max_area": SIZE * SIZE},
+}
 
 
 def edit(pipeline, roots, options):
@@ -70,19 +79,21 @@ def test_the_ode_path_reproduces_the_diffusers_pipeline_given_the_same_image(pip
     negative = "blurry" if guided else ""
     batch = edit(alone, [TreeRoot("make it red", negative, 11, images=(WIDE,))], options)
     guidance = TINY_FAMILIES[family].guided if guided else TINY_FAMILIES[family].unguided
+    frames = {"num_frames": TINY_FAMILIES[family].frames} if TINY_FAMILIES[family].video else {}
     expected = alone.pipe(
-        image=WIDE.to_pil(),
         prompt="make it red",
         negative_prompt=negative or None,
         height=SIZE,
         width=SIZE,
-        max_area=SIZE * SIZE,  # the request's size is the output size (rollout/models/flux_kontext.py)
         num_inference_steps=STEPS,
         generator=torch.Generator().manual_seed(11),
         output_type="latent",
+        **PIPELINE_ARGUMENTS[family](WIDE.to_pil()),
+        **frames,
         **guidance,
-    ).images
-    expected = alone.unpack(expected.float(), SIZE // 8, SIZE // 8)
+    ).images.float()
+    if expected.ndim == 3:  # packed tokens
+        expected = alone.unpack(expected, SIZE // 8, SIZE // 8)
     assert torch.equal(batch.samples[0].final_latents, expected[0])
 
 
@@ -103,17 +114,24 @@ def test_the_condition_is_encoded_once_per_prompt_and_shared_by_its_samples(pipe
     assert all(sample.condition_images == (WIDE,) for sample in batch.samples)
     env = batch.samples[0].denoising_env
     assert set(env["image_kwargs"]) == TINY_FAMILIES[family].inputs.image
-    height, width = pipeline.condition_size(WIDE)
-    tokens = (height // 16) * (width // 16)
-    assert env["image_kwargs"]["condition_latents"].shape[0] == tokens
-    assert env["image_kwargs"]["img_ids"].shape[0] == (SIZE // 16) ** 2
 
+
+def test_kontext_resizes_the_condition_to_its_preferred_resolution_and_puts_its_tokens_after_the_noise(pipelines):
+    pipeline = pipelines("flux_kontext")
+    (bucket,) = pipeline.encode_prompts(["make it red"], [""], options_for("flux_kontext"), [(WIDE,)]).buckets
+    image = bucket.conditioning.image_kwargs
+    # 40 x 72 px read as 32 x 64 (multiples of 16): the ratio 2 is nearest 720 x 1456's.
+    height, width = pipeline.condition_size(WIDE)
+    assert (height, width) == (720, 1456)
+    assert image["condition_latents"].shape == (1, (height // 16) * (width // 16), 64)
+    assert image["img_ids"].shape == (1, (SIZE // 16) ** 2, 3)
+    assert torch.equal(image["condition_ids"][0, :, 0], torch.ones((height // 16) * (width // 16)))
+    assert pipeline.condition_size(TALL) != (height, width)  # conditions of two sizes: two buckets
 
 @pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
 def test_conditions_of_two_sizes_in_one_call_keep_each_samples_bits(pipelines, family):
     pipeline = pipelines(family)
     options = options_for(family, guided=True)
-    assert pipeline.condition_size(WIDE) != pipeline.condition_size(TALL)
     roots = [
         TreeRoot("make it red", "blurry", 5, images=(WIDE,)),
         TreeRoot("a hat", "", 6, images=(TALL,)),
@@ -171,9 +189,10 @@ def test_a_dataset_keeps_the_condition_images_for_a_replay(pipelines, family, tm
 @pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
 def test_more_images_than_the_model_takes_are_refused_naming_the_field(pipelines, family):
     pipeline = pipelines(family)
-    most = pipeline.condition_images.most_per_prompt
-    with pytest.raises(InvalidRequestError, match=r"image_path\[0\]: .* takes 0 to 1 images per prompt, got 2"):
-        edit(pipeline, [TreeRoot("x", "", 1, images=(WIDE,) * (most + 1))], options_for(family))
+    rule = pipeline.condition_images
+    expected = rf"image_path\[0\]: .* takes {rule.least_per_prompt} to {rule.most_per_prompt} images per prompt, got "
+    with pytest.raises(InvalidRequestError, match=expected + str(rule.most_per_prompt + 1)):
+        edit(pipeline, [TreeRoot("x", "", 1, images=(WIDE,) * (rule.most_per_prompt + 1))], options_for(family))
 
 
 def test_a_text_to_image_model_refuses_an_input_image():

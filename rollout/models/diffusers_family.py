@@ -111,6 +111,7 @@ class DiffusersFamily:
     frames_per_latent: int = 1  # an image; a video family sets its VAE's
     negative_branch: ClassVar[NegativeBranchRule]
     condition_images: ClassVar[ConditionImageRule] = ConditionImageRule()  # text only
+    text_sees_images: ClassVar[bool] = False  # whether the text encoder reads the input images too
 
     def __init__(
         self,
@@ -277,13 +278,23 @@ class DiffusersFamily:
         images = [()] * len(prompts) if images is None else list(images)
         self.condition_images.check(images, self.name)
         negatives = negative_prompts if self.uses_negative_branch(options) else None
+
+        def text_key(texts: Sequence[str], row: int) -> tuple:
+            # A text encoder that reads the prompt's images encodes the text anew for other images.
+            return (texts[row], _images_key(images[row]) if self.text_sees_images else ())
+
         # Each distinct text and image set is encoded once, alone: a prompt's fan-out shares it.
-        encoded: dict[str, dict[str, torch.Tensor]] = {}
+        encoded: dict[tuple, dict[str, torch.Tensor]] = {}
         encoded_images: dict[tuple[str, ...], dict[str, torch.Tensor]] = {(): {}}
         with torch.no_grad():
-            for text in (*prompts, *(negatives or ())):
-                if text not in encoded:
-                    encoded[text] = self.encode_prompt(text, options)
+            for texts in (prompts, negatives or ()):
+                for row, text in enumerate(texts):
+                    if text_key(texts, row) not in encoded:
+                        encoded[text_key(texts, row)] = (
+                            self.encode_prompt_seeing(text, images[row], options)
+                            if self.text_sees_images
+                            else self.encode_prompt(text, options)
+                        )
             for prompt_images in images:
                 if _images_key(prompt_images) not in encoded_images:
                     encoded_images[_images_key(prompt_images)] = self.encode_images(prompt_images, options)
@@ -295,19 +306,26 @@ class DiffusersFamily:
             condition = stacked([encoded_images[_images_key(images[i])] for i in rows])
             return Conditioning(
                 image_kwargs={**(self.image_kwargs(len(rows), options) or {}), **condition} or None,
-                pos_cond_kwargs=stacked([encoded[prompts[i]] for i in rows]),
-                neg_cond_kwargs=None if negatives is None else stacked([encoded[negatives[i]] for i in rows]),
+                pos_cond_kwargs=stacked([encoded[text_key(prompts, i)] for i in rows]),
+                neg_cond_kwargs=None if negatives is None else stacked([encoded[text_key(negatives, i)] for i in rows]),
                 guidance=self.guidance(len(rows), options),
             )
 
         def shapes(texts: Sequence[str] | None, row: int) -> tuple:
-            return () if texts is None else tuple(t.shape for t in encoded[texts[row]].values())
+            return () if texts is None else tuple(t.shape for t in encoded[text_key(texts, row)].values())
 
         def condition_shapes(row: int) -> tuple:
             return tuple(t.shape for t in encoded_images[_images_key(images[row])].values())
 
         keys = [(shapes(prompts, row), shapes(negatives, row), condition_shapes(row)) for row in range(len(prompts))]
         return BucketedConditioning.grouped(keys, conditioning_of)
+
+    def encode_prompt_seeing(
+        self, prompt: str, images: tuple[InputImage, ...], options: SamplingOptions
+    ) -> dict[str, torch.Tensor]:
+        """`encode_prompt` for a family whose text encoder reads the prompt's images too
+        (`text_sees_images`: Qwen-Image-Edit's vision-language encoder)."""
+        raise NotImplementedError(f"model {self.name!r} encodes its prompts without their images")
 
     def encode_images(self, images: tuple[InputImage, ...], options: SamplingOptions) -> dict[str, torch.Tensor]:
         """One prompt's input images as the transformer's image inputs (`image_kwargs`), each
