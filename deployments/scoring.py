@@ -89,6 +89,7 @@ def scoring_samples(batch: RolloutBatch, first_index: int, group_size: int) -> l
                 "seed": sample.seed,
                 "branch_path": list(sample.branch_path),
             },
+            condition_images=tuple(image.pixels for image in sample.condition_images),
         )
         for index, sample in enumerate(batch.samples, start=first_index)
     ]

@@ -134,3 +134,40 @@ def test_unknown_kind_or_dtype_is_a_model_load_error(clip_dir, option, value):
 def test_a_bad_image_shape_is_refused(scorers):
     with pytest.raises(ValueError, match=r"\(C, H, W\)"):
         scorers["clip"].score([ScoringSample(torch.rand(4, 8, 8), "a cat")])
+
+
+def _uint8(image: torch.Tensor) -> torch.Tensor:
+    return (image * 255).round().to(torch.uint8)
+
+
+def test_clip_consistency_is_the_image_embeddings_cosine_with_the_first_input_image(clip_dir):
+    scorer = ClipScorer(str(clip_dir), kind="clip_consistency", micro_batch_size=MICRO_BATCH, device="cpu")
+    reference, other = _uint8(_image(50)), _uint8(_image(51))
+    edits = [ScoringSample(_image(60 + i), "make it red", condition_images=(reference, other)) for i in range(3)]
+    same = ScoringSample(reference.float() / 255, "make it red", condition_images=(reference,))
+    scores = scorer.score([*edits, same])
+    model = CLIPModel.from_pretrained(clip_dir, local_files_only=True).eval()
+    processor = CLIPProcessor.from_pretrained(clip_dir, local_files_only=True)
+    pixels = [Image.fromarray(image.permute(1, 2, 0).numpy()) for image in [_uint8(s.image) for s in edits] + [reference]]
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=processor(images=pixels, return_tensors="pt").pixel_values)
+    embeds = getattr(features, "pooler_output", features)
+    embeds = embeds / embeds.norm(p=2, dim=-1, keepdim=True)
+    expected = (100 * (embeds[:3] * embeds[3]).sum(dim=-1)).clamp(min=0)
+    assert torch.allclose(torch.tensor(scores[:3], dtype=torch.float64), expected.double(), atol=1e-4)
+    assert scores[3] == pytest.approx(100, abs=1e-3)  # an image against itself
+    assert scorer.score(edits[1:2]) == scores[1:2]  # a score does not depend on its companions
+
+
+def test_clip_consistency_refuses_a_sample_without_an_input_image(clip_dir):
+    scorer = ClipScorer(str(clip_dir), kind="clip_consistency", micro_batch_size=MICRO_BATCH, device="cpu")
+    with pytest.raises(ValueError, match="sample 0 has none"):
+        scorer.score(_samples(1))
+
+
+def test_a_scoring_sample_keeps_its_input_images_through_pickling():
+    import pickle
+
+    sample = ScoringSample(_image(1), "make it red", {"seed": 1}, condition_images=(_uint8(_image(2)),))
+    again = pickle.loads(pickle.dumps(sample))
+    assert torch.equal(again.condition_images[0], sample.condition_images[0])

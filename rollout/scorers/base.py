@@ -35,23 +35,38 @@ class ScoringSample:
             `generated_output` as sampled.
         prompt: the prompt it was conditioned on.
         metadata: plain values about it (`seed`, `prompt_index`, `sample_index`, `branch_path`).
+        condition_images: its prompt's input images (an editing model's), each `(3, H, W)` uint8
+            as the client sent them; () for a text prompt.
     """
 
     image: torch.Tensor
     prompt: str
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    condition_images: tuple[torch.Tensor, ...] = ()
 
     def __reduce__(self):
-        # As a numpy array, the image crosses Ray's object store out of band: a scorer replica maps a
+        # As numpy arrays, the images cross Ray's object store out of band: a scorer replica maps a
         # video's frames rather than unpickling a copy (torch tensors pickle their bytes in band).
-        return _scoring_sample, (self.image.detach().cpu().contiguous().numpy(), self.prompt, dict(self.metadata))
+        return _scoring_sample, (
+            _array(self.image),
+            self.prompt,
+            dict(self.metadata),
+            tuple(_array(image) for image in self.condition_images),
+        )
 
 
-def _scoring_sample(image: np.ndarray, prompt: str, metadata: dict[str, Any]) -> ScoringSample:
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().cpu().contiguous().numpy()
+
+
+def _scoring_sample(
+    image: np.ndarray, prompt: str, metadata: dict[str, Any], condition_images: tuple[np.ndarray, ...] = ()
+) -> ScoringSample:
     with warnings.catch_warnings():
         # Ray hands numpy buffers out of the object store read-only; torch cannot mark a tensor so.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return ScoringSample(torch.from_numpy(image), prompt, metadata)
+        conditions = tuple(torch.from_numpy(array) for array in condition_images)
+        return ScoringSample(torch.from_numpy(image), prompt, metadata, conditions)
 
 
 @runtime_checkable

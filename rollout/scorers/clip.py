@@ -6,6 +6,10 @@ embeddings by cosine similarity `cos(E_I, E_C)`; they differ only in the scale:
 - `clip`: the CLIP score as commonly defined, `max(100 * cos(E_I, E_C), 0)` in [0, 100]
   (Hessel et al. 2021; torchmetrics' `CLIPScore` defines it so, by default on
   openai/clip-vit-large-patch14).
+- `clip_consistency`: how much of the input image an edit keeps, `max(100 * cos(E_I, E_R), 0)`
+  between the sample's image embedding and its first input image's (`condition_images[0]`): the
+  CLIP feature similarity Flow-GRPO rewards FLUX.1-Kontext edits with for consistency, on the CLIP
+  score's scale. Each distinct input image is embedded once a call (a group shares one).
 - `pickscore`: PickScore (Kirstain et al. 2023), `logit_scale.exp() * cos(E_I, E_C)`: the logit
   of yuvalkirstain/PickScore_v1, a CLIP-ViT-H-14 fine-tuned on human preferences, as its README
   computes it (about 20 to 23 for generated images in published tables). PickScore's code and
@@ -31,7 +35,7 @@ from transformers import CLIPModel, CLIPProcessor
 from rollout.errors import ModelLoadError
 from rollout.scorers.base import ScoringSample, in_fixed_batches
 
-KINDS = ("clip", "pickscore")
+KINDS = ("clip", "clip_consistency", "pickscore")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,6 +84,8 @@ class ClipScorer:
         """One score per sample, in order: its frames' mean (an image is one frame)."""
         if not samples:
             return []
+        if self.kind == "clip_consistency":
+            return self._consistency(samples)
         frames_per_sample = [_frames(sample.image) for sample in samples]
         # Each prompt is embedded once, however many samples share it (a GRPO group shares one).
         prompt_rows = {prompt: row for row, prompt in enumerate(dict.fromkeys(s.prompt for s in samples))}
@@ -95,6 +101,26 @@ class ClipScorer:
             else:
                 frame_scores = self.model.logit_scale.exp().float() * cosines
         per_sample = frame_scores.double().cpu().split([len(frames) for frames in frames_per_sample])
+        return [scores.mean().item() for scores in per_sample]
+
+    def _consistency(self, samples: Sequence[ScoringSample]) -> list[float]:
+        """`clip_consistency`: each sample's frames against its first input image, the frames' mean."""
+        for index, sample in enumerate(samples):
+            if not sample.condition_images:
+                raise ValueError(f"clip_consistency compares an edit with its input image: sample {index} has none")
+        frames_per_sample = [_frames(sample.image) for sample in samples]
+        references: dict[bytes, int] = {}  # an input image's bytes -> its row: each embedded once
+        reference_rows = [
+            references.setdefault(sample.condition_images[0].numpy().tobytes(), len(references)) for sample in samples
+        ]
+        reference_images = {row: sample.condition_images[0] for row, sample in zip(reference_rows, samples)}
+        with torch.no_grad():
+            frames = self._embed_images([frame for sample_frames in frames_per_sample for frame in sample_frames])
+            pil_references = [Image.fromarray(reference_images[row].permute(1, 2, 0).numpy()) for row in range(len(references))]
+            reference_embeddings = self._embed_images(pil_references)
+            rows = torch.tensor([row for row, f in zip(reference_rows, frames_per_sample) for _ in f], device=self.device)
+            frame_scores = (100 * (frames * reference_embeddings[rows]).sum(dim=-1)).clamp(min=0)
+        per_sample = frame_scores.double().cpu().split([len(f) for f in frames_per_sample])
         return [scores.mean().item() for scores in per_sample]
 
     def _embed_images(self, frames: list[Image.Image]) -> torch.Tensor:

@@ -11,6 +11,7 @@ import time
 import zlib
 
 import msgpack
+import numpy
 import pytest
 import torch
 from PIL import Image
@@ -23,6 +24,9 @@ from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.sampler import sample_tree
+from rollout.scorers.base import ScoringSample
+from rollout.scorers.clip import ClipScorer
+from rollout.testing.builders import build_tiny_clip
 from rollout.tree import TreeRoot
 from tests.deployments.apps import deploy
 
@@ -61,16 +65,24 @@ DATA_URI = "data:image/png;base64," + base64.b64encode(png_bytes(IMAGE)).decode(
 
 
 @pytest.fixture(scope="module")
-def kontext_app(serve_app, tiny_conditioned_dirs, tmp_path_factory):
-    """(the application, the library's pipeline on the same directory, the allowed image root)."""
+def tiny_clip(tmp_path_factory):
+    return build_tiny_clip(tmp_path_factory.mktemp("scorers") / "clip")
+
+
+@pytest.fixture(scope="module")
+def kontext_app(serve_app, tiny_conditioned_dirs, tmp_path_factory, tiny_clip):
+    """(the application, the library's pipeline on the same directory, the allowed image root),
+    with a `clip_consistency` scorer on a tiny CLIP copy."""
     root = tmp_path_factory.mktemp("images")
     IMAGE.save(root / "cat.png")
+    consistency = {"kind": "clip", "options": {"path": str(tiny_clip), "kind": "clip_consistency", "device": "cpu"}}
     app = deploy(
         serve_app,
         "kontext-test",
         model={"path": str(tiny_conditioned_dirs[FAMILY]), "micro_batch_size": 2, "decode_batch_size": 2},
         num_worker_replicas=1,
         allowed_image_paths=[str(root)],
+        scorers={"consistency": {**consistency, "num_cpus": 0.1, "num_gpus": 0}},
     )
     local = load_pipeline(None, tiny_conditioned_dirs[FAMILY], device="cpu", micro_batching=MicroBatching(2, decode_default=2))
     yield app, local, root
@@ -121,6 +133,18 @@ def test_every_way_an_image_comes_in_gives_the_librarys_bits(kontext_app, http, 
 
     info = http.get(f"{app.url}/rollout/info").json()
     assert info["condition_images"] == local.condition_images.describe()
+
+
+def test_a_scorer_gets_the_input_images_and_clip_consistency_rewards_an_edit(kontext_app, http, tiny_clip):
+    app, _, _ = kontext_app
+    body = {**BODY, "prompt": "make it red", "num_outputs_per_prompt": 2, "image_path": DATA_URI}
+    response = http.post(f"{app.url}/rollout/generate", json={**body, "rollout_reward_models": ["consistency"]})
+    assert response.status_code == 200, response.text
+    rows = from_msgpack(response.content)
+    reference = torch.from_numpy(numpy.asarray(IMAGE)).permute(2, 0, 1).contiguous()
+    scorer = ClipScorer(str(tiny_clip), kind="clip_consistency", device="cpu")
+    direct = scorer.score([ScoringSample(row["generated_output"], row["prompt"], condition_images=(reference,)) for row in rows])
+    assert [row["rewards"]["consistency"] for row in rows] == direct
 
 
 def gif_bytes() -> bytes:
