@@ -5,7 +5,9 @@
 Connects to the cluster's running rollout application (`--app-name`; it exits at once, naming
 the applications that do run, if there is none), sends the prompts in requests of `--prompts-per-request`
 with at most `--max-in-flight` requests outstanding, and writes one safetensors shard per request
-plus `index.json` (see `rollout.dataset`). A progress bar counts samples. With a video model,
+plus `index.json` (see `rollout.dataset`). A progress bar counts samples. For an image-conditioned
+model the prompt file is JSON lines with each prompt's `image_path` (`read_prompts`): the job reads
+the images and sends their bytes, and the dataset keeps each image once per shard. With a video model,
 `--num-frames` sets the frame count and `--videos` also writes each sample's frames as an MP4
 (`videos/sample-<index>.mp4` next to the shards, at `--fps`; `rollout.video`).
 
@@ -24,6 +26,7 @@ import hashlib
 import json
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -56,20 +59,62 @@ class RequestFailedError(RuntimeError):
     """A request of the job failed, whatever the cause: the job stops, its shards so far written."""
 
 
-def read_prompts(path: Path) -> list[str]:
-    """One prompt per non-empty line."""
-    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    if not prompts:
+@dataclass(frozen=True)
+class JobPrompt:
+    """One line of the prompt file: a prompt and, for an image-conditioned model, its input images'
+    file bytes (read here, on the job's side, and sent as bytes: the server reads no job's files)."""
+
+    prompt: str
+    images: tuple[bytes, ...] = ()
+
+    def digest(self) -> str | dict:
+        """What the job's `prompts_sha256` hashes of it: a text prompt alone (as jobs before images
+        did, so they resume), else with its images' SHA-256."""
+        if not self.images:
+            return self.prompt
+        return {"prompt": self.prompt, "images": [hashlib.sha256(image).hexdigest() for image in self.images]}
+
+
+def read_prompts(path: Path) -> list[JobPrompt]:
+    """A text file's prompts, one per non-empty line; or a `.jsonl` file's, one JSON object per
+    non-empty line: `{"prompt": "...", "image_path": "cat.png"}` (or a list of paths), paths
+    relative to the file's directory, every line with images or none."""
+    lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
         raise SystemExit(f"{path}: no prompts")
+    if path.suffix != ".jsonl":
+        return [JobPrompt(line) for line in lines]
+    prompts = [_jsonl_prompt(path, number, line) for number, line in enumerate(lines, start=1)]
+    if len({bool(prompt.images) for prompt in prompts}) > 1:
+        raise SystemExit(f"{path}: some lines have an image_path and some do not; a job sends one kind of prompt")
     return prompts
 
 
-def job_requests(prompts: list[str], args: argparse.Namespace) -> list[RolloutRequest]:
+def _jsonl_prompt(path: Path, number: int, line: str) -> JobPrompt:
+    try:
+        entry = json.loads(line)
+    except ValueError as error:
+        raise SystemExit(f"{path}:{number}: not JSON ({error})") from None
+    if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
+        raise SystemExit(f'{path}:{number}: expected an object with a "prompt" string')
+    names = entry.get("image_path", [])
+    names = [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise SystemExit(f"{path}:{number}: image_path must be a path or a list of paths")
+    try:
+        images = tuple((path.parent / name).read_bytes() for name in names)
+    except OSError as error:
+        raise SystemExit(f"{path}:{number}: cannot read an image: {error}") from None
+    return JobPrompt(entry["prompt"], images)
+
+
+def job_requests(prompts: list[JobPrompt], args: argparse.Namespace) -> list[RolloutRequest]:
     """The job's requests, which follow from its arguments alone."""
     per_request = args.prompts_per_request
     return [
         RolloutRequest(
-            prompt=prompts[start : start + per_request],
+            prompt=[p.prompt for p in prompts[start : start + per_request]],
+            image_path=[list(p.images) for p in prompts[start : start + per_request]] if prompts[0].images else None,
             num_outputs_per_prompt=args.num_outputs_per_prompt,
             num_inference_steps=args.num_inference_steps,
             rollout_sde_type=args.sde_type,
@@ -88,7 +133,12 @@ def job_requests(prompts: list[str], args: argparse.Namespace) -> list[RolloutRe
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=Path, required=True, help="text file, one prompt per line")
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        required=True,
+        help='text file, one prompt per line; or .jsonl, {"prompt": ..., "image_path": ...} per line',
+    )
     parser.add_argument("--output", type=Path, required=True, help="directory for the shards and index.json")
     parser.add_argument("--app-name", default="rollout")
     parser.add_argument("--num-outputs-per-prompt", type=int, default=4)
@@ -111,7 +161,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     prompts = read_prompts(args.prompts)
     requests = job_requests(prompts, args)
     arguments = {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()}
-    arguments["prompts_sha256"] = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    arguments["prompts_sha256"] = hashlib.sha256(json.dumps([p.digest() for p in prompts]).encode()).hexdigest()
     _check_output(args.output, args.resume, arguments)
     ray.init(address="auto", ignore_reinit_error=True)
     try:

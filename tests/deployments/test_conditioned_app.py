@@ -6,6 +6,7 @@ and the server keeps serving.
 
 import base64
 import io
+import json
 import struct
 import time
 import zlib
@@ -17,7 +18,9 @@ import torch
 from PIL import Image
 from ray import serve
 
+from deployments import job
 from rollout.codec import from_msgpack
+from rollout.dataset import load_rollouts
 from rollout.input_images import ImageInputLimits, decode_input_image
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
@@ -145,6 +148,23 @@ def test_a_scorer_gets_the_input_images_and_clip_consistency_rewards_an_edit(kon
     scorer = ClipScorer(str(tiny_clip), kind="clip_consistency", device="cpu")
     direct = scorer.score([ScoringSample(row["generated_output"], row["prompt"], condition_images=(reference,)) for row in rows])
     assert [row["rewards"]["consistency"] for row in rows] == direct
+
+
+def test_a_job_sends_a_jsonl_files_images_and_writes_a_dataset_that_replays(kontext_app, tmp_path, one_torch_thread):
+    # The replay encodes the images again: on one torch thread, as the workers encoded them.
+    app, local, _ = kontext_app
+    IMAGE.save(tmp_path / "cat.png")
+    IMAGE.transpose(Image.Transpose.ROTATE_90).save(tmp_path / "tall.png")
+    lines = [{"prompt": "make it red", "image_path": "cat.png"}, {"prompt": "a hat", "image_path": ["tall.png"]}]
+    (tmp_path / "edits.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    arguments = ["--prompts", str(tmp_path / "edits.jsonl"), "--output", str(tmp_path / "out"), "--app-name", app.name]
+    job.main([*arguments, "--num-outputs-per-prompt", "2", "--num-inference-steps", "2", "--height", "32", "--width", "32"])
+    index, (batch,) = load_rollouts(tmp_path / "out")
+    assert [record["prompt"] for record in index["samples"]] == ["make it red"] * 2 + ["a hat"] * 2
+    assert [s.condition_images[0].height for s in batch.samples] == [40, 40, 72, 72]
+    with torch.no_grad():
+        replayed = replay_log_probs(local, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
 
 
 def gif_bytes() -> bytes:
