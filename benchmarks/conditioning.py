@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.conditioning                  # the tiny Qwen-Image-Edit, 5 rounds
     .venv/bin/python -m benchmarks.conditioning --family flux_kontext
     .venv/bin/python -m benchmarks --only conditioning            # the suite's section, in docs/benchmarks.md
+    .venv/bin/python -m benchmarks.conditioning --picture docs/image_editing.png   # draws an edit instead
 
 One prompt x 16 samples of a tiny editing copy (`rollout.testing.families`), at the request size
 below, ODE, taking turns round by round after a warm-up each:
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy
 import torch
 
 from benchmarks.serving import Spread, take_turns
@@ -116,11 +118,56 @@ def run(family: str, rounds: int) -> list[str]:
         return table(family, measure(family, directory, rounds))
 
 
+def drawn_input_image() -> InputImage:
+    """A 192 x 288 picture drawn in code: a sky, a sun, a house on a hill."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (288, 192), (110, 170, 230))
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((200, 20, 250, 70), fill=(250, 220, 60))
+    draw.ellipse((-60, 120, 360, 330), fill=(70, 150, 60))
+    draw.rectangle((90, 95, 170, 150), fill=(200, 80, 60))
+    draw.polygon([(80, 95), (130, 55), (180, 95)], fill=(120, 50, 40))
+    return InputImage(torch.from_numpy(numpy.array(image)).permute(2, 0, 1).contiguous())
+
+
+def picture(family: str, path: Path) -> None:
+    """The input image, then a row of edits of it: 1 prompt x 4 samples of the tiny copy (random
+    weights: the layout of a request, not the quality of a model), 64 x 64, 8 SDE steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    image = drawn_input_image()
+    with tempfile.TemporaryDirectory() as root:
+        pipeline = load_pipeline(family, TINY_FAMILIES[family].build(Path(root) / family), device="cpu")
+        options = SamplingOptions(num_inference_steps=8, height=64, width=64, **TINY_FAMILIES[family].unguided)
+        roots = [TreeRoot(PROMPT, "", seed, images=(image,)) for seed in range(4)]
+        samples = sample_tree(pipeline, roots, options).batch.samples
+    figure, axes = plt.subplots(1, 1 + len(samples), figsize=(2.2 * (1 + len(samples)), 2.4))
+    axes[0].imshow(image.pixels.permute(1, 2, 0).numpy())
+    axes[0].set_title("image_path", fontsize=9)
+    for axis, sample in zip(axes[1:], samples):
+        axis.imshow(sample.image.permute(1, 2, 0).numpy())
+        axis.set_title(f"seed {sample.seed}", fontsize=9)
+    for axis in axes:
+        axis.set_xticks([])
+        axis.set_yticks([])
+    figure.suptitle(f'{family} (tiny, random weights): "{PROMPT}", num_outputs_per_prompt 4', fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--family", choices=CONDITIONED_FAMILIES, default=CONDITIONED_FAMILIES[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--picture", type=Path, help="draw an input image and a row of its edits here, and measure nothing")
     args = parser.parse_args()
+    if args.picture is not None:
+        return picture(args.family, args.picture)
     torch.set_num_threads(1)  # as a worker replica samples
     print("\n".join(run(args.family, args.rounds)))
 
