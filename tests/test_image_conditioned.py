@@ -7,6 +7,8 @@ once, shared by the prompt's samples, and part of the exact record a replay read
 
 import pytest
 import torch
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
 
 from rollout.dataset import RolloutDatasetWriter, load_rollouts
 from rollout.errors import InvalidRequestError
@@ -19,6 +21,7 @@ from rollout.sampler import sample_tree
 from rollout.testing.families import CONDITIONED_FAMILIES, TINY_FAMILIES
 from rollout.transitions import TransitionKind
 from rollout.tree import Branching, TreeRoot
+from rollout.weights import apply_update, tensor_update
 
 SIZE = 32
 STEPS = 2
@@ -184,6 +187,24 @@ def test_a_dataset_keeps_the_condition_images_for_a_replay(pipelines, family, tm
     assert torch.equal(loaded.samples[1].condition_images[0].pixels, TALL.pixels)
     replayed = replay_log_probs(pipeline, loaded.schedule, loaded.options, loaded.samples)
     assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+
+
+@pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
+def test_an_edit_after_a_lora_update_replays_exactly_on_the_trainers_model(tiny_conditioned_dirs, family):
+    served, trainer = (
+        load_pipeline(family, tiny_conditioned_dirs[family], device="cpu", micro_batching=MicroBatching(2)) for _ in range(2)
+    )
+    denoiser = trainer.weight_modules[trainer.experts[0]]
+    denoiser.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in denoiser.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.05 * torch.randn(parameter.shape, generator=generator))
+    apply_update(served.weight_modules, tensor_update(get_peft_model_state_dict(denoiser), lora_rank=4, lora_alpha=8))
+    batch = edit(served, [TreeRoot("make it red", "blurry", 9, images=(WIDE,))], options_for(family, guided=True))
+    replayed = replay_log_probs(trainer, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(replayed.log_probs, batch.samples[0].log_probs[None])
 
 
 @pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
