@@ -32,8 +32,10 @@ Every counterexample ever found is kept in `REGRESSIONS` and run first.
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import dataclasses
+import io
 import math
 import pickle
 import tempfile
@@ -45,6 +47,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from hypothesis import HealthCheck, given, reject, seed, settings
 from hypothesis import strategies as st
 
@@ -136,6 +139,11 @@ def rollout_bodies(draw, space: RequestSpace) -> dict[str, Any]:
         body["negative_prompt"] = draw(st.sampled_from(("",) + space.prompts))
     elif negative == "each" and isinstance(body["prompt"], list):
         body["negative_prompt"] = [draw(st.sampled_from(("",) + space.prompts)) for _ in prompts]
+    image_size = draw(st.sampled_from(space.image_sizes))
+    if image_size is not None:  # one image a prompt, each its own pixels
+        first = draw(st.integers(0, 2**16))
+        uris = [_png_data_uri(*image_size, first + i) for i in range(len(prompts))]
+        body["image_path"] = uris if isinstance(body["prompt"], list) else uris[0]
     size = draw(st.sampled_from(space.sizes))
     if size is not None:
         body["height"] = body["width"] = size
@@ -182,6 +190,14 @@ def rollout_bodies(draw, space: RequestSpace) -> dict[str, Any]:
     samples = len(prompts) * body["num_outputs_per_prompt"]
     body["seed"] = draw(st.one_of(st.integers(0, 2**32), st.just(MAX_SEED - samples + 1)))
     return body
+
+
+def _png_data_uri(height: int, width: int, seed: int) -> str:
+    """A random RGB image as a client sends it in JSON: a PNG data URI."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def _can_branch(body: dict[str, Any], step: int, steps: int) -> bool:
@@ -430,9 +446,15 @@ def expect_same_sample(a: SampleTrajectory, b: SampleTrajectory, how: str) -> No
     for name, tensor in a.tensors().items():
         expect(torch.equal(tensor, theirs[name]), f"{how}: {name} of seed {a.seed} path {a.branch_path} differs")
     if a.denoising_env is not None:
-        for key, value in a.denoising_env.items():
-            if isinstance(value, torch.Tensor):
-                expect(torch.equal(value, b.denoising_env[key]), f"{how}: denoising_env {key} differs")
+        for part, value in a.denoising_env.items():
+            tensors = value if isinstance(value, dict) else {"": value}
+            theirs = b.denoising_env[part] if isinstance(value, dict) else {"": b.denoising_env[part]}
+            for name, tensor in tensors.items():
+                if isinstance(tensor, torch.Tensor):
+                    expect(torch.equal(tensor, theirs[name]), f"{how}: denoising_env {part} {name} differs")
+    expect(
+        [i.digest for i in a.condition_images] == [i.digest for i in b.condition_images], f"{how}: other input images"
+    )
 
 
 def check_batch_invariance(case: Case, served: Served) -> None:

@@ -40,6 +40,8 @@ class RequestSpace:
         dtypes: the dtypes it is loaded in.
         min_steps: the fewest steps a request asks for (a scheduler stretched to a terminal sigma
             makes no finite schedule of 1 step: a 400 naming num_inference_steps).
+        image_sizes: `(height, width)` of the input image each prompt is sent (`image_path`) to
+            draw from; None: no image (an editing model's text-to-image request).
         budget: generated requests a test run checks (`tests/test_request_properties.py`): about
             two minutes in all on 2 cores, a family's case costing several of the embedded model's.
     """
@@ -52,6 +54,7 @@ class RequestSpace:
     true_cfg_scales: tuple[float | None, ...] = (None,)
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     min_steps: int = 1
+    image_sizes: tuple[tuple[int, int] | None, ...] = (None,)
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,14 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
                 guidance=True,
                 time_per_1000=True,
             ),
-            requests=RequestSpace(WORDS, budget=4, sizes=(32,), guidance_scales=(None, 2.5), true_cfg_scales=(None, 2.0)),
+            requests=RequestSpace(
+                WORDS,
+                budget=4,
+                sizes=(32,),
+                guidance_scales=(None, 2.5),
+                true_cfg_scales=(None, 2.0),
+                image_sizes=(None, (40, 72), (64, 24)),
+            ),
             condition_images=1,
         ),
         TinyFamily(
