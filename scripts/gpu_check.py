@@ -24,6 +24,10 @@ Flow-GRPO trains (the record's `trained`: SD3.5-Medium's CFG 4.5, FLUX.1-dev's e
   (`check_batch_invariance`), and where they do, the replay difference and the same samples/s
   with them instead of padding.
 
+An editing family (FLUX.1-Kontext-dev, `--families flux_kontext`) runs the same with one input image
+of the request's size a prompt, as its pipeline takes it; calibration and the kernels' check, which
+sample text-to-image requests, are skipped for it.
+
 And Wan2.1-T2V-1.3B (`--families wan`): two videos of 480x832, 33 frames, 10 steps, CFG 5, one a
 transformer call, against `pipeline(...)` with the rollout's Euler scheduler; peak memory; the
 bf16 replay difference.
@@ -60,13 +64,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rollout.calibration import calibrate, check_batch_invariance, synchronize  # noqa: E402
+from rollout.input_images import InputImage  # noqa: E402
 from rollout.kernels import BatchInvariance  # noqa: E402
 from rollout.micro_batching import MicroBatching  # noqa: E402
 from rollout.options import SamplingOptions  # noqa: E402
 from rollout.replay import replay_log_probs  # noqa: E402
-from rollout.sampler import resolve_options, rows_per_sample, sample  # noqa: E402
+from rollout.sampler import resolve_options, rows_per_sample, sample, sample_tree  # noqa: E402
 from rollout.testing.families import TINY_FAMILIES, TinyFamily  # noqa: E402
 from rollout.transitions import TransitionKind  # noqa: E402
+from rollout.tree import TreeRoot  # noqa: E402
 
 GROUP = 8
 BATCH_SIZES = (1, 8, 16, 64)
@@ -152,6 +158,11 @@ def loaded(record: TinyFamily, tiny_dir: Path, tiny: bool, device: str):
     return record.family(pipe)
 
 
+def input_image(size: int) -> InputImage:
+    """An input image of `size` x `size` pixels, random but the same in every run."""
+    return InputImage(torch.randint(0, 256, (3, size, size), generator=torch.Generator().manual_seed(0), dtype=torch.uint8))
+
+
 def check_family(
     name: str, tiny_dir: Path, tiny: bool, device: str, size: int, steps: int, candidates: tuple, batch_sizes: tuple,
     budget: Budget, sections: tuple[str, ...] = SECTIONS, calibrated: dict | None = None,
@@ -174,15 +185,24 @@ def check_family(
     # Up to a group of 16 samples in one call, in rows.
     candidates = tuple(sorted({*candidates, max(candidates) * rows}))
 
+    # An editing model's input image: the prompt's, shared by its group; the pipeline takes it
+    # for every sample, as the record's `pipeline_arguments` say.
+    images = (input_image(size),) if record.condition_images else ()
+    image_arguments = record.pipeline_arguments(images[0].to_pil(), size, size) if images else {}
+
+    def rollout_of(samples: int, sampling_options: SamplingOptions):
+        roots = [TreeRoot(PROMPT, "", seed, images=images) for seed in range(samples)]
+        return sample_tree(family, roots, sampling_options).batch
+
     def rollout(samples: int = GROUP):
-        return sample(family, [PROMPT] * samples, list(range(samples)), options)
+        return rollout_of(samples, options)
 
     def plain_pipeline(output_type: str = "pt", samples: int = GROUP):
         with torch.no_grad():
             return family.pipe(
                 prompt=[PROMPT] * samples, height=size, width=size, num_inference_steps=steps,
                 generator=[torch.Generator("cpu").manual_seed(s) for s in range(samples)], output_type=output_type,
-                **guidance,
+                **image_arguments, **guidance,
             ).images  # fmt: skip
 
     ode_options = SamplingOptions(num_inference_steps=steps, height=size, width=size, sde_type=TransitionKind.ODE, **guidance)
@@ -190,7 +210,7 @@ def check_family(
     def ode_distance(samples: int) -> tuple[float, float]:
         """Max |difference| of final latents between the rollout's ODE path and the pipeline's
         `output_type="latent"`, and the latents' max |value|."""
-        ode = sample(family, [PROMPT] * samples, list(range(samples)), ode_options).samples
+        ode = rollout_of(samples, ode_options).samples
         pipeline_latents = plain_pipeline("latent", samples).float().cpu()
         if pipeline_latents.ndim == 3:  # packed tokens
             pipeline_latents = family.unpack(pipeline_latents, size // 8, size // 8)
@@ -251,6 +271,10 @@ def check_family(
 
     calibration_samples = 2 * len(candidates) * max(candidates)  # a warm-up and one round each
     calibration = None
+    if images:
+        # Both calibrate and check text-to-image requests, whose shapes an edit's are not.
+        sections = tuple(section for section in sections if section not in ("calibration", "kernels"))
+        skipped.append("calibration and batch-invariant kernels (they sample text-to-image requests)")
     if "calibration" not in sections:
         if calibrated:
             family.micro_batching = MicroBatching(calibrated["micro_batch_chosen"], decode_default=calibrated["decode_batch_chosen"])

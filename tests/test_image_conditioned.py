@@ -62,13 +62,6 @@ def options_for(family: str, guided: bool = False, **fields) -> SamplingOptions:
     return SamplingOptions(**{**size, **guidance, **fields})
 
 
-# What each family's diffusers pipeline is given besides the prompts, the size, the steps, the
-# generator and the guidance, for the request's output size and `image` (a PIL image).
-PIPELINE_ARGUMENTS = {
-    # The request's size is the output size (rollout/models/flux_kontext.py).
-    "flux_kontext": lambda image: {"image": image, "max_area": SIZE * SIZE},
-}
-
 
 def edit(pipeline, roots, options):
     return sample_tree(pipeline, roots, options).batch
@@ -91,7 +84,7 @@ def test_the_ode_path_reproduces_the_diffusers_pipeline_given_the_same_image(pip
         num_inference_steps=STEPS,
         generator=torch.Generator().manual_seed(11),
         output_type="latent",
-        **PIPELINE_ARGUMENTS[family](WIDE.to_pil()),
+        **TINY_FAMILIES[family].pipeline_arguments(WIDE.to_pil(), SIZE, SIZE),
         **frames,
         **guidance,
     ).images.float()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from rollout.models.digits import DigitFlowPipeline
 from rollout.models.flux import FluxFamily
@@ -126,6 +126,9 @@ class TinyFamily:
         condition_images: input images per prompt its tests send (0: a text-to-image or
             text-to-video model); such a copy is tested by `tests/test_image_conditioned.py`, not
             with the text-to-image families.
+        pipeline_arguments: `(image, height, width) -> kwargs`: what the family's diffusers
+            pipeline is given for an input image (a PIL image) and the request's output size,
+            besides the prompts, steps, generators and guidance (None: a model without images).
     """
 
     name: str
@@ -142,6 +145,7 @@ class TinyFamily:
     requests: RequestSpace | None = None
     gpu_check: GpuCheck | None = None
     condition_images: int = 0
+    pipeline_arguments: Callable[[Any, int, int], dict[str, Any]] | None = None
 
     @property
     def model(self) -> str:
@@ -232,6 +236,9 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
                 image_sizes=(None, (40, 72), (64, 24)),
             ),
             condition_images=1,
+            # The request's size is the output size: the pipeline's with max_area = height x width.
+            pipeline_arguments=lambda image, height, width: {"image": image, "max_area": height * width},
+            gpu_check=GpuCheck("flux1_kontext_dev", budget_weight=1.6),
         ),
         TinyFamily(
             "qwenimage",

@@ -68,7 +68,7 @@ def sd35_medium(tiny_pipe):
     )  # fmt: skip
 
 
-def flux1_dev(tiny_pipe):
+def flux1_dev(tiny_pipe, pipeline_class: type | None = None):
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     transformer = FluxTransformer2DModel(
@@ -76,11 +76,18 @@ def flux1_dev(tiny_pipe):
         num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
         guidance_embeds=True, axes_dims_rope=(16, 56, 56),
     )  # fmt: skip
-    return FluxPipeline(
+    return (pipeline_class or FluxPipeline)(
         transformer=transformer, vae=_vae(0.3611, 0.1159), scheduler=tiny_pipe.scheduler,
         text_encoder=_clip_l(with_projection=False), tokenizer=tiny_pipe.tokenizer,
         text_encoder_2=_t5_xxl(), tokenizer_2=tiny_pipe.tokenizer_2,
     )  # fmt: skip
+
+
+def flux1_kontext_dev(tiny_pipe):
+    """FLUX.1-Kontext-dev: FLUX.1-dev's published configuration, in its editing pipeline."""
+    from diffusers import FluxKontextPipeline
+
+    return flux1_dev(tiny_pipe, FluxKontextPipeline)
 
 
 def wan21_t2v_1_3b(tiny_pipe):
