@@ -8,6 +8,7 @@ equal shapes, and every sample's row of it goes back to the trainer as its `deno
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -167,15 +168,29 @@ class BucketedConditioning:
         raise IndexError(f"row {i} of a batch of {len(self)}")
 
 
-def _env_shapes(env: dict[str, Any]) -> tuple:
-    """A `denoising_env`'s tensor shapes by part and name: rows of equal shapes share a bucket."""
+def image_input_key(name: str, tensor: torch.Tensor) -> tuple:
+    """What buckets rows by one of their image inputs: its shape and, for position ids (a name
+    ending in `_ids`), their values too. A transformer call takes one set of ids for all its rows
+    (FLUX's), so rows whose condition images have equally many tokens on different grids (a
+    landscape and a portrait) must not share one."""
+    if not name.endswith("_ids"):
+        return tuple(tensor.shape)
+    values = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return (tuple(tensor.shape), hashlib.sha256(values).hexdigest())
 
-    def shape_of(value):
+
+def _env_shapes(env: dict[str, Any]) -> tuple:
+    """A `denoising_env`'s tensor shapes by part and name (and its image inputs' ids by value,
+    `image_input_key`): rows of equal keys share a bucket."""
+
+    def shape_of(value, part):
         if value is None or isinstance(value, torch.Tensor):
             return None if value is None else tuple(value.shape)
+        if part == "image_kwargs":
+            return tuple((name, image_input_key(name, t)) for name, t in value.items())
         return tuple((name, tuple(t.shape)) for name, t in value.items())
 
-    return tuple((part, shape_of(value)) for part, value in env.items())
+    return tuple((part, shape_of(value, part)) for part, value in env.items())
 
 
 def _map_tensors(parts: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:

@@ -1,9 +1,11 @@
-"""Image-conditioned families (editing: FLUX.1-Kontext) through the rollout library, on tiny
-random-weight copies saved as diffusers directories (`rollout.testing.families`).
+"""Image-conditioned families (editing: FLUX.1-Kontext; reference images: FLUX.2) through the rollout
+library, on tiny random-weight copies saved as diffusers directories (`rollout.testing.families`).
 
 The reference is diffusers' own `pipeline(image=..., ...)`; the condition is per prompt: encoded
 once, shared by the prompt's samples, and part of the exact record a replay reads.
 """
+
+import inspect
 
 import pytest
 import torch
@@ -32,8 +34,9 @@ def random_image(height: int, width: int, seed: int):
     return decode_input_image(pixels, "image_path", ImageInputLimits())
 
 
-# Aspect ratios that the pipeline resizes to conditions of different sizes (token counts).
-WIDE, TALL = random_image(40, 72, 0), random_image(64, 24, 1)
+# Aspect ratios that the pipelines resize to conditions of different sizes (token counts), at least
+# 64 px a side (FLUX.2's pipeline refuses smaller images).
+WIDE, TALL = random_image(72, 136, 0), random_image(136, 88, 1)
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +79,11 @@ def test_the_ode_path_reproduces_the_diffusers_pipeline_given_the_same_image(pip
     batch = edit(alone, [TreeRoot("make it red", negative, 11, images=(WIDE,))], options)
     guidance = TINY_FAMILIES[family].guided if guided else TINY_FAMILIES[family].unguided
     frames = {"num_frames": TINY_FAMILIES[family].frames} if TINY_FAMILIES[family].video else {}
+    # A pipeline without classifier-free guidance (FLUX.2's) takes no negative prompt.
+    takes_negative = "negative_prompt" in inspect.signature(type(alone.pipe).__call__).parameters
     expected = alone.pipe(
         prompt="make it red",
-        negative_prompt=negative or None,
+        **({"negative_prompt": negative or None} if takes_negative else {}),
         height=SIZE,
         width=SIZE,
         num_inference_steps=STEPS,
@@ -89,7 +94,7 @@ def test_the_ode_path_reproduces_the_diffusers_pipeline_given_the_same_image(pip
         **guidance,
     ).images.float()
     if expected.ndim == 3:  # packed tokens
-        expected = alone.unpack(expected, SIZE // 8, SIZE // 8)
+        expected = alone.unpack(expected, *alone.latent_shape(SIZE, SIZE)[-2:])
     assert torch.equal(batch.samples[0].final_latents, expected[0])
 
 
@@ -116,13 +121,67 @@ def test_kontext_resizes_the_condition_to_its_preferred_resolution_and_puts_its_
     pipeline = pipelines("flux_kontext")
     (bucket,) = pipeline.encode_prompts(["make it red"], [""], options_for("flux_kontext"), [(WIDE,)]).buckets
     image = bucket.conditioning.image_kwargs
-    # 40 x 72 px read as 32 x 64 (multiples of 16): the ratio 2 is nearest 720 x 1456's.
+    # 72 x 136 px read as 64 x 128 (multiples of 16): the ratio 2 is nearest 720 x 1456's.
     height, width = pipeline.condition_size(WIDE)
     assert (height, width) == (720, 1456)
     assert image["condition_latents"].shape == (1, (height // 16) * (width // 16), 64)
     assert image["img_ids"].shape == (1, (SIZE // 16) ** 2, 3)
     assert torch.equal(image["condition_ids"][0, :, 0], torch.ones((height // 16) * (width // 16)))
     assert pipeline.condition_size(TALL) != (height, width)  # conditions of two sizes: two buckets
+
+
+def test_flux2_crops_its_references_as_its_pipeline_and_puts_them_after_the_noise_at_their_own_time_ids(pipelines):
+    pipeline = pipelines("flux2")
+    # Under 1 MP: sides floored to 16 and the rest centre-cropped, in [-1, 1].
+    pixels = pipeline.reference_pixels(WIDE)  # 72 x 136 px
+    assert torch.equal(pixels[0], WIDE.pixels[:, 4:68, 4:132].float() / 255 * 2 - 1)
+    # Over 1 MP: downscaled to 1024 x 1024 px of area (sides truncated), then floored to 16.
+    assert pipeline.reference_pixels(random_image(1100, 1000, 2)).shape == (1, 3, 1072, 976)
+    options = options_for("flux2")
+    (bucket,) = pipeline.encode_prompts(["make it red"], [""], options, [(WIDE, TALL)]).buckets
+    image = bucket.conditioning.image_kwargs
+    wide, tall = (4, 8), (8, 5)  # token grids: 64 x 128 and 128 x 80 px
+    tokens = wide[0] * wide[1] + tall[0] * tall[1]
+    assert image["condition_latents"].shape == (1, tokens, pipeline.latent_channels)
+    grid = lambda t, h, w: torch.cartesian_prod(torch.tensor([t]), torch.arange(h), torch.arange(w), torch.arange(1))
+    assert torch.equal(image["condition_ids"][0], torch.cat([grid(10, *wide), grid(20, *tall)]))
+    assert torch.equal(image["img_ids"][0], grid(0, SIZE // 16, SIZE // 16))
+    text_ids = bucket.conditioning.pos_cond_kwargs["txt_ids"][0]
+    assert torch.equal(text_ids, torch.cartesian_prod(*(torch.arange(1),) * 3, torch.arange(512)))
+    # As many tokens on another grid (8 x 4): other ids, so another bucket (one set of ids a call).
+    portrait = random_image(136, 72, 3)
+    buckets = pipeline.encode_prompts(["a", "a"], ["", ""], options, [(WIDE,), (portrait,)]).buckets
+    assert [len(b.rows) for b in buckets] == [1, 1]
+
+
+@pytest.mark.parametrize("size", [(60, 200), (64, 600)], ids=["small", "narrow"])
+def test_flux2_refuses_the_images_its_pipeline_refuses_naming_the_field(pipelines, size):
+    expected = r"image_path\[1\]: .* (at least 64 px a side|aspect ratio at most 8:1)"
+    roots = [TreeRoot("x", "", 1, images=(WIDE,)), TreeRoot("x", "", 1, images=(random_image(*size, 4),))]
+    with pytest.raises(InvalidRequestError, match=expected):
+        edit(pipelines("flux2"), roots, options_for("flux2"))
+
+
+@pytest.mark.parametrize("images", [(), (WIDE, TALL)], ids=["text-to-image", "two-references"])
+def test_flux2_without_and_with_two_references_reproduces_its_pipeline(pipelines, images):
+    alone = pipelines("flux2", micro_batch_size=1)
+    options = options_for("flux2", guided=True, sde_type=TransitionKind.ODE)
+    batch = edit(alone, [TreeRoot("a cat", "", 13, images=images)], options)
+    expected = alone.pipe(
+        prompt="a cat",
+        image=[image.to_pil() for image in images] or None,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(13),
+        output_type="latent",
+        **TINY_FAMILIES["flux2"].guided,
+    ).images
+    assert torch.equal(batch.samples[0].final_latents, alone.unpack(expected, SIZE // 16, SIZE // 16)[0])
+    assert batch.schedule.sigmas[0] == 1.0 and torch.equal(
+        batch.schedule.timesteps, alone.pipe.scheduler.timesteps
+    )  # the pipeline's own schedule for this size and step count
+
 
 @pytest.mark.parametrize("family", CONDITIONED_FAMILIES)
 def test_conditions_of_two_sizes_in_one_call_keep_each_samples_bits(pipelines, family):

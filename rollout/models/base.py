@@ -42,15 +42,18 @@ class NegativeBranchRule:
 
     Attributes:
         scale: the option that decides: 'guidance_scale', 'true_cfg_scale', or 'cfg_scale'
-            (`cfg_scale`: `true_cfg_scale` when given, else `guidance_scale`).
+            (`cfg_scale`: `true_cfg_scale` when given, else `guidance_scale`); None: never (a
+            model whose pipeline has no negative branch).
         also_below_one: a scale below 1 runs the branch too (the embedded model extrapolates
             away from the positive prompt).
     """
 
-    scale: Literal["guidance_scale", "true_cfg_scale", "cfg_scale"]
+    scale: Literal["guidance_scale", "true_cfg_scale", "cfg_scale"] | None
     also_below_one: bool = False
 
     def runs(self, options: SamplingOptions) -> bool:
+        if self.scale is None:  # a model without classifier-free guidance (FLUX.2's pipeline)
+            return False
         value = cfg_scale(options) if self.scale == "cfg_scale" else getattr(options, self.scale)
         return value is not None and (value > 1 or (self.also_below_one and value < 1))
 
@@ -83,12 +86,17 @@ class ConditionImageRule:
         preprocessing: how an image is resized before it is encoded, in words (`/rollout/info`).
         most_tokens_per_image: the most transformer tokens one image adds to each of its samples'
             rows, whatever its size (what `rollout.cost` counts for it, before it is resized).
+        min_side: the fewest pixels an image's height and width may have, as sent (0: any).
+        max_aspect_ratio: the largest ratio of an image's longer side to its shorter, as sent
+            (None: any). FLUX.2's pipeline refuses images outside these two (`check_image_input`).
     """
 
     most_per_prompt: int = 0
     least_per_prompt: int = 0
     preprocessing: str | None = None
     most_tokens_per_image: int = 0
+    min_side: int = 0
+    max_aspect_ratio: float | None = None
 
     def check(self, images: Sequence[Sequence[Any]], model: str) -> None:
         """Raises `InvalidRequestError` naming ``image_path`` (and the prompt's index) unless every
@@ -103,6 +111,23 @@ class ConditionImageRule:
                     f"model {model!r} takes {self.least_per_prompt} to {self.most_per_prompt} images per prompt, "
                     f"got {count}",
                 )
+            for image in prompt_images:
+                self._check_size(getattr(image, "height", None), getattr(image, "width", None), i, model)
+
+    def _check_size(self, height: int | None, width: int | None, prompt: int, model: str) -> None:
+        if height is None or width is None:  # not a decoded image: nothing to measure
+            return
+        if min(height, width) < self.min_side:
+            raise InvalidRequestError(
+                f"image_path[{prompt}]",
+                f"model {model!r} takes images of at least {self.min_side} px a side, got {width}x{height}",
+            )
+        if self.max_aspect_ratio is not None and max(height, width) > self.max_aspect_ratio * min(height, width):
+            raise InvalidRequestError(
+                f"image_path[{prompt}]",
+                f"model {model!r} takes images of aspect ratio at most {self.max_aspect_ratio:g}:1, "
+                f"got {width}x{height}",
+            )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -110,6 +135,8 @@ class ConditionImageRule:
             "least_per_prompt": self.least_per_prompt,
             "preprocessing": self.preprocessing,
             "most_tokens_per_image": self.most_tokens_per_image,
+            "min_side": self.min_side,
+            "max_aspect_ratio": self.max_aspect_ratio,
         }
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rollout.conditioning import BucketedConditioning, Conditioning
+from rollout.conditioning import BucketedConditioning, Conditioning, image_input_key
 from rollout.errors import ModelLoadError, UnknownPromptError
 from rollout.kernels import zero_padded
 from rollout.micro_batching import MicroBatching
@@ -315,7 +315,8 @@ class DiffusersFamily:
             return () if texts is None else tuple(t.shape for t in encoded[text_key(texts, row)].values())
 
         def condition_shapes(row: int) -> tuple:
-            return tuple(t.shape for t in encoded_images[_images_key(images[row])].values())
+            encoded_row = encoded_images[_images_key(images[row])]
+            return tuple(image_input_key(name, t) for name, t in encoded_row.items())
 
         keys = [(shapes(prompts, row), shapes(negatives, row), condition_shapes(row)) for row in range(len(prompts))]
         return BucketedConditioning.grouped(keys, conditioning_of)

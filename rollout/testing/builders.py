@@ -22,7 +22,10 @@ from diffusers import (
     AutoencoderKLLTXVideo,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
+    AutoencoderKLFlux2,
     FlowMatchEulerDiscreteScheduler,
+    Flux2Pipeline,
+    Flux2Transformer2DModel,
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -46,6 +49,8 @@ from transformers import (
     CLIPTextModelWithProjection,
     CLIPTokenizer,
     CLIPVisionConfig,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     T5Config,
@@ -272,6 +277,94 @@ def build_tiny_flux_kontext(path: Path, transformer_heads: int = 2) -> Path:
     """Save a tiny FLUX.1-Kontext-dev-like `FluxKontextPipeline` to `path` and return `path`: the
     components of `build_tiny_flux` (Kontext-dev is FLUX.1-dev's architecture, guidance embedded)."""
     return build_tiny_flux(path, transformer_heads=transformer_heads, pipeline_class=FluxKontextPipeline)
+
+
+# FLUX.2-dev's published scheduler config: dynamic shifting, whose `mu` the pipeline computes itself
+# (`compute_empirical_mu`), so only the flag and the exponential time shift matter.
+_FLUX2_SCHEDULER = {
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+    "shift": 3.0,
+    "time_shift_type": "exponential",
+}
+# A chat template over list-of-parts content (what `Flux2Pipeline`'s `format_input` makes), text parts only.
+_FLUX2_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
+    "{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+)
+
+
+def build_tiny_flux2(path: Path, transformer_heads: int = 2) -> Path:
+    """Save a tiny FLUX.2-dev-like `Flux2Pipeline` to `path` and return `path`.
+
+    A `Mistral3ForConditionalGeneration` text encoder (a Mistral text model of width 16 and 30 layers,
+    since the pipeline stacks hidden states 10, 20 and 30; a one-layer Pixtral vision tower) on the
+    tiny Qwen2 tokenizer with a chat template over list-of-parts content, a `Flux2Transformer2DModel`
+    with one double- and one single-stream block on 2x2-patchified latents (in_channels 32: 8 latent
+    channels x 4) with embedded guidance and 4-axis RoPE ids, an `AutoencoderKLFlux2` (VAE factor 8)
+    whose BatchNorm running statistics are set away from (0, 1), and FLUX.2-dev's scheduler config.
+    """
+    tokenizer = tiny_qwen2_tokenizer()
+    tokenizer.chat_template = _FLUX2_CHAT_TEMPLATE
+    text_width, latent_channels = 16, 8
+    torch.manual_seed(_SEED)
+    config = Mistral3Config(
+        text_config={
+            "model_type": "mistral",
+            "vocab_size": len(tokenizer),
+            "hidden_size": text_width,
+            "intermediate_size": 32,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "max_position_embeddings": 2048,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "head_dim": 8,
+            "image_size": 64,
+            "patch_size": 8,
+        },
+        image_token_index=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+    )
+    text_encoder = Mistral3ForConditionalGeneration(config)
+    torch.manual_seed(_SEED)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=4 * latent_channels,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=transformer_heads,
+        joint_attention_dim=3 * text_width,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),  # sums to the head dim, like (32, 32, 32, 32) for 128
+    )
+    torch.manual_seed(_SEED)
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8,) * _VAE_BLOCKS, layers_per_block=1, latent_channels=latent_channels, norm_num_groups=4
+    )
+    # The latents' normalisation statistics (of the 2x2-patchified channels): not the identity.
+    vae.bn.running_mean.copy_(0.1 * torch.randn_like(vae.bn.running_mean))
+    vae.bn.running_var.copy_(0.5 + torch.rand_like(vae.bn.running_var))
+    pipe = Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX2_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(path)
+    return path
 
 
 def build_tiny_qwenimage(path: Path, transformer_heads: int = 2) -> Path:

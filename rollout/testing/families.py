@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 from rollout.models.digits import DigitFlowPipeline
 from rollout.models.flux import FluxFamily
+from rollout.models.flux2 import Flux2Family
 from rollout.models.flux_kontext import FluxKontextFamily
 from rollout.models.ltx import LTXVideoFamily
 from rollout.models.qwenimage import QwenImageFamily
@@ -239,6 +240,29 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             # The request's size is the output size: the pipeline's with max_area = height x width.
             pipeline_arguments=lambda image, height, width: {"image": image, "max_area": height * width},
             gpu_check=GpuCheck("flux1_kontext_dev", budget_weight=1.6),
+        ),
+        TinyFamily(
+            "flux2",
+            Flux2Family,
+            "build_tiny_flux2",
+            # No classifier-free guidance in FLUX.2's pipeline: "guided" is its embedded guidance at
+            # the pipeline's default, "unguided" at 1.
+            guided={"guidance_scale": 4.0},
+            unguided={"guidance_scale": 1.0},
+            trained={"guidance_scale": 4.0},
+            inputs=TransformerInputs(
+                frozenset({"encoder_hidden_states", "txt_ids"}),
+                image=frozenset({"img_ids", "condition_latents", "condition_ids"}),
+                guidance=True,
+                time_per_1000=True,
+            ),
+            requests=RequestSpace(
+                WORDS, budget=3, sizes=(32,), guidance_scales=(None, 1.0, 4.0), image_sizes=(None, (72, 136))
+            ),
+            token_pixels=16,  # the VAE's 8 x the 2x2 patch
+            condition_images=1,
+            # The request's size is the output size; the image is a reference (rollout/models/flux2.py).
+            pipeline_arguments=lambda image, height, width: {"image": [image]},
         ),
         TinyFamily(
             "qwenimage",
