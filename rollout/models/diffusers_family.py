@@ -103,6 +103,7 @@ class DiffusersFamily:
 
     name: ClassVar[str]
     diffusers_pipeline: ClassVar[str]  # the `_class_name` in model_index.json
+    also_serves: ClassVar[tuple[str, ...]] = ()  # other pipeline classes the family serves (a variant)
     default_guidance_scale: ClassVar[float]
     default_max_sequence_length: ClassVar[int]
     default_micro_batch_size: ClassVar[int] = 4
@@ -163,22 +164,35 @@ class DiffusersFamily:
     ) -> "DiffusersFamily":
         """Loads the family's diffusers pipeline from the local directory `path`; never downloads."""
         index = read_model_index(path)
-        if index["_class_name"] != cls.diffusers_pipeline:
+        class_name = index["_class_name"]
+        if class_name not in cls.served_pipelines():
             raise ModelLoadError(
                 "model.name",
-                f"{path} holds a {index['_class_name']}, not the {cls.diffusers_pipeline} of model {cls.name!r}",
+                f"{path} holds a {class_name}, not the {' or '.join(cls.served_pipelines())} of model {cls.name!r}",
             )
-        pipeline_class = getattr(diffusers, cls.diffusers_pipeline)  # imports transformers, on first use
+        pipeline_class = getattr(diffusers, class_name)  # imports transformers, on first use
         try:
-            pipe = pipeline_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+            components = cls.loaded_components(Path(path))
+            pipe = pipeline_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True, **components)
         except (OSError, ValueError, KeyError) as error:
-            raise ModelLoadError("model.path", f"cannot load {cls.diffusers_pipeline} from {path}: {error}") from error
+            raise ModelLoadError("model.path", f"cannot load {class_name} from {path}: {error}") from error
         pipe.set_progress_bar_config(disable=True)
         for module in pipe.components.values():
             if isinstance(module, nn.Module):
                 # `nn.Module.to`: diffusers' override warns on every call about fp32 modules these models lack.
                 nn.Module.to(module, device)
         return cls(pipe, micro_batching=micro_batching, max_sequence_length=max_sequence_length, vae_tiling=vae_tiling)
+
+    @classmethod
+    def served_pipelines(cls) -> tuple[str, ...]:
+        """The `_class_name`s of the directories the family loads: its pipeline's, then `also_serves`."""
+        return (cls.diffusers_pipeline, *cls.also_serves)
+
+    @classmethod
+    def loaded_components(cls, path: Path) -> dict[str, Any]:
+        """Components of the directory `path` that the family loads itself and hands to the
+        pipeline's `from_pretrained` (one its own loading cannot make here); none by default."""
+        return {}
 
     @property
     def device(self) -> torch.device:

@@ -77,6 +77,13 @@ class QwenImageFamily(PackedLatentFamily):
         embeds, mask = self.pipe.encode_prompt(
             prompt=[prompt], device=self.device, max_sequence_length=self.max_sequence_length
         )
+        return self.padded_text(embeds, mask, options)
+
+    def padded_text(
+        self, embeds: torch.Tensor, mask: torch.Tensor | None, options: SamplingOptions
+    ) -> dict[str, torch.Tensor]:
+        """One prompt's hidden states `(1, L, D)` and mask (None: all valid), as `encode_prompt`
+        returns them: padded with zeros, and the mask with zeros, to `padded_text_length(L)`."""
         length = embeds.shape[1]
         padding = self.padded_text_length(length, options) - length
         valid = torch.ones((1, length), dtype=torch.long, device=embeds.device) if mask is None else mask

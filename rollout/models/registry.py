@@ -94,7 +94,7 @@ def check_model_directory(name: str | None, path: str | Path) -> str:
     class_name = read_model_index(path)["_class_name"]
     families = _families()
     if name is None:
-        by_class = {family.diffusers_pipeline: family.name for family in families.values()}
+        by_class = {served: family.name for family in families.values() for served in family.served_pipelines()}
         if class_name not in by_class:
             raise ModelLoadError(
                 "model.path", f"{path} holds a {class_name}; this server serves {sorted(by_class)} (or set model.name)"
@@ -102,10 +102,10 @@ def check_model_directory(name: str | None, path: str | Path) -> str:
         return by_class[class_name]
     if name not in families:
         raise ModelLoadError("model.name", f"unknown model {name!r}; available: {available_models()}")
-    if families[name].diffusers_pipeline != class_name:
+    if class_name not in families[name].served_pipelines():
         raise ModelLoadError(
             "model.name",
-            f"{path} holds a {class_name}, not the {families[name].diffusers_pipeline} of model {name!r}: "
+            f"{path} holds a {class_name}, not the {' or '.join(families[name].served_pipelines())} of model {name!r}: "
             "leave model.name out to read the family from model_index.json",
         )
     return name

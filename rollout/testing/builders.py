@@ -14,6 +14,7 @@ Every component is built after `torch.manual_seed`, so two builds write byte-ide
     pipe = FluxPipeline.from_pretrained(path)
 """
 
+import json
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ from diffusers import (
     FluxTransformer2DModel,
     LTXPipeline,
     LTXVideoTransformer3DModel,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -380,6 +383,15 @@ def build_tiny_qwenimage(path: Path, transformer_heads: int = 2) -> Path:
     which is checked here.
     """
     tokenizer = tiny_qwen2_tokenizer()
+    pipe = QwenImagePipeline(**_qwenimage_components(tokenizer, transformer_heads))
+    _check_system_prefix(pipe, tokenizer)
+    pipe.save_pretrained(path)
+    return path
+
+
+def _qwenimage_components(tokenizer, transformer_heads: int, vae_width: int = 8) -> dict:
+    """Qwen-Image's text encoder (on `tokenizer`), transformer, VAE (`vae_width` channels at full
+    resolution) and scheduler, tiny."""
     text_width = 32
     torch.manual_seed(_SEED)
     config = Qwen2_5_VLConfig(
@@ -426,7 +438,7 @@ def build_tiny_qwenimage(path: Path, transformer_heads: int = 2) -> Path:
     )
     torch.manual_seed(_SEED)
     vae = AutoencoderKLQwenImage(
-        base_dim=8,
+        base_dim=vae_width,
         z_dim=_LATENT_CHANNELS,
         dim_mult=[1, 2, 2, 2],
         num_res_blocks=1,
@@ -435,22 +447,67 @@ def build_tiny_qwenimage(path: Path, transformer_heads: int = 2) -> Path:
         latents_mean=_QWEN_LATENTS_MEAN,
         latents_std=_QWEN_LATENTS_STD,
     )
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**_QWEN_SCHEDULER),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(**_QWEN_SCHEDULER),
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "transformer": transformer,
+    }
+
+
+def _check_system_prefix(pipe, tokenizer) -> None:
+    """The pipeline drops a fixed number of leading tokens (its chat template's system prefix, up to
+    the user's turn); raises unless the tiny tokenizer makes the prefix exactly that long."""
     prefix = pipe.prompt_template_encode.split("{}")[0]
+    prefix = prefix[: prefix.index("user\n") + len("user\n")]  # an Edit template's image tokens follow
     prefix_length = len(tokenizer(prefix).input_ids)
     if prefix_length != pipe.prompt_template_encode_start_idx:
         raise RuntimeError(
-            f"Qwen-Image's system prefix is {prefix_length} tokens with the tiny tokenizer, but the pipeline "
-            f"drops {pipe.prompt_template_encode_start_idx}: the prompt embeddings would be cut wrongly"
+            f"{type(pipe).__name__}'s system prefix is {prefix_length} tokens with the tiny tokenizer, but the "
+            f"pipeline drops {pipe.prompt_template_encode_start_idx}: the prompt embeddings would be cut wrongly"
         )
+
+
+def build_tiny_qwenimage_edit(
+    path: Path, transformer_heads: int = 2, pipeline_class: type = QwenImageEditPipeline
+) -> Path:
+    """Save a tiny Qwen-Image-Edit-like `QwenImageEditPipeline` (or `pipeline_class`:
+    `QwenImageEditPlusPipeline`) to `path` and return `path`: the components of
+    `build_tiny_qwenimage` on a tokenizer learnt on the Edit template (whose 64-token system prefix
+    the pipeline drops), and a Qwen2-VL processor whose image processor makes at most 16 vision
+    tokens an image (the real one's 1 MP condition makes about 1400).
+
+    `Qwen2VLProcessor` cannot be built without torchvision: the copy is saved with its image-only
+    subclass, then `model_index.json` and the processor's config are made to name
+    `Qwen2VLProcessor`, as a published directory does (`rollout.models.qwenimage_edit`).
+    """
+    from transformers import Qwen2VLImageProcessor
+
+    from rollout.models.qwenimage_edit import ImageOnlyQwen2VLProcessor
+
+    tokenizer = tiny_qwen2_tokenizer(edit=True)
+    patch = 28  # the vision tower's 14 px patches, merged 2x2
+    image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 4 * patch**2, "longest_edge": 16 * patch**2})
+    processor = ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    # The condition is always about 1 MP: a VAE of 2 channels at full resolution encodes it in a
+    # fraction of a second on a CPU.
+    pipe = pipeline_class(**_qwenimage_components(tokenizer, transformer_heads, vae_width=2), processor=processor)
+    _check_system_prefix(pipe, tokenizer)
     pipe.save_pretrained(path)
+    for file, entry, value in (
+        (path / "model_index.json", "processor", ["transformers", "Qwen2VLProcessor"]),
+        (path / "processor" / "processor_config.json", "processor_class", "Qwen2VLProcessor"),
+    ):
+        config = json.loads(file.read_text())
+        config[entry] = value
+        file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def build_tiny_qwenimage_edit_plus(path: Path, transformer_heads: int = 2) -> Path:
+    """Save a tiny Qwen-Image-Edit-2509-like `QwenImageEditPlusPipeline` to `path`: `build_tiny_qwenimage_edit`'s."""
+    return build_tiny_qwenimage_edit(path, transformer_heads, pipeline_class=QwenImageEditPlusPipeline)
 
 
 def _wan_transformer(text_dim: int, channels: int, heads: int) -> WanTransformer3DModel:

@@ -20,6 +20,7 @@ from rollout.models.flux2 import Flux2Family
 from rollout.models.flux_kontext import FluxKontextFamily
 from rollout.models.ltx import LTXVideoFamily
 from rollout.models.qwenimage import QwenImageFamily
+from rollout.models.qwenimage_edit import QwenImageEditFamily
 from rollout.models.sd3 import StableDiffusion3Family
 from rollout.models.wan import WanFamily
 
@@ -278,6 +279,25 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
                 time_per_1000=True,
             ),
             requests=RequestSpace(WORDS, budget=10, sizes=(32, 48), true_cfg_scales=(None, 1.0, 3.0), min_steps=2),
+        ),
+        TinyFamily(
+            "qwenimage_edit",
+            QwenImageEditFamily,
+            "build_tiny_qwenimage_edit",
+            guided={"true_cfg_scale": 4.0},
+            unguided={"true_cfg_scale": 1.0},
+            trained={"true_cfg_scale": 4.0},
+            inputs=TransformerInputs(
+                frozenset({"encoder_hidden_states", "encoder_hidden_states_mask"}),
+                image=frozenset({"img_shapes", "condition_latents_1"}),
+                time_per_1000=True,
+            ),
+            requests=RequestSpace(
+                WORDS, budget=3, sizes=(32,), true_cfg_scales=(None, 1.0, 3.0), min_steps=2, image_sizes=(None, (72, 136))
+            ),
+            condition_images=1,
+            # The request's size is the output size; the condition is about 1 MP whatever it is.
+            pipeline_arguments=lambda image, height, width: {"image": image},
         ),
         TinyFamily(
             "wan21",

@@ -16,6 +16,13 @@ _QWEN_SYSTEM_PROMPT = (
     "Describe the image by detailing the color, shape, size, texture, quantity, text, "
     "spatial relationships of the objects and background:"
 )
+# Qwen-Image-Edit's (QwenImageEditPipeline.prompt_template_encode): its words make the 64 tokens the
+# pipeline drops, as the real tokenizer makes them.
+_QWEN_EDIT_SYSTEM_PROMPT = (
+    "Describe the key features of the input image (color, shape, size, texture, objects, background), then "
+    "explain how the user's text instruction should alter or modify the image. Generate a new image that meets "
+    "the user's requirements while maintaining consistency with the original input where appropriate."
+)
 _PROMPT_WORDS = "a photo of a cat sitting on a red chair next to a dog in the garden"
 _CORPUS = f"{_QWEN_SYSTEM_PROMPT} {_PROMPT_WORDS}"
 # The 256 byte-level symbols, in GPT-2's id order (which is their code point order): every byte
@@ -88,12 +95,14 @@ _QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def tiny_qwen2_tokenizer() -> Qwen2Tokenizer:
-    """Qwen2-style byte-level BPE (case kept, spaces glued to the next word) with the chat tokens."""
+def tiny_qwen2_tokenizer(edit: bool = False) -> Qwen2Tokenizer:
+    """Qwen2-style byte-level BPE (case kept, spaces glued to the next word) with the chat tokens;
+    `edit`: learnt on Qwen-Image-Edit's system prompt instead of Qwen-Image's."""
     bare = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(_BYTE_SYMBOLS)}, merges=[])
     # The text of Qwen-Image's chat template between its special tokens, so that its system prefix
     # comes to one token per word, as with the real tokenizer (see `rollout.testing.builders.build_tiny_qwenimage`).
-    corpus = f"system\n{_QWEN_SYSTEM_PROMPT}\nuser\nassistant\n {_PROMPT_WORDS}"
+    system = _QWEN_EDIT_SYSTEM_PROMPT if edit else _QWEN_SYSTEM_PROMPT
+    corpus = f"system\n{system}\nuser\nassistant\n {_PROMPT_WORDS}"
     merges = _learn_merges([list(word) for word in _pre_tokens(bare, corpus)])
     symbols = [*_BYTE_SYMBOLS, *(a + b for a, b in merges), *_QWEN_SPECIAL_TOKENS, *_QWEN_VISION_TOKENS]
     vocab = {s: i for i, s in enumerate(dict.fromkeys(symbols))}
