@@ -39,6 +39,13 @@ def random_image(height: int, width: int, seed: int):
 WIDE, TALL = random_image(72, 136, 0), random_image(136, 88, 1)
 
 
+@pytest.fixture(autouse=True)
+def one_thread(one_torch_thread):
+    """Every test here on one torch thread: the megapixel conditions' VAE encodes and the long
+    texts' encoders run several times faster so on 2 cores (the bits compared are computed on
+    the same thread count on both sides)."""
+
+
 @pytest.fixture(scope="module")
 def pipelines(tiny_conditioned_dirs):
     cache = {}
@@ -189,19 +196,25 @@ def test_flux2_without_and_with_two_references_reproduces_its_pipeline(pipelines
     assert batch.schedule.sigmas[0] == 1.0 and torch.equal(
         batch.schedule.timesteps, alone.pipe.scheduler.timesteps
     )  # the pipeline's own schedule for this size and step count
+
+
 def test_qwenimage_edit_conditions_at_1mp_after_the_noise_and_its_text_reads_the_image(pipelines):
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
     from rollout.models.qwenimage_edit import most_condition_tokens
 
     pipeline = pipelines("qwenimage_edit")
     options = options_for("qwenimage_edit")
     (bucket,) = pipeline.encode_prompts(["make it red"], [""], options, [(WIDE,)]).buckets
     conditioning = bucket.conditioning
-    # 40 x 72 px at about 1 MP, sides multiples of 32, whatever the output size (32 px).
-    assert pipeline.condition_size(WIDE) == (768, 1376)
-    assert conditioning.image_kwargs["condition_latents_1"].shape == (1, 16, 768 // 8, 1376 // 8)
+    # The image's ratio at about 1 MP, sides multiples of 32 (the pipeline's own function), whatever
+    # the output size (32 px): 736 x 1408 px for 72 x 136.
+    width, height, _ = calculate_dimensions(1024 * 1024, WIDE.width / WIDE.height)
+    assert pipeline.condition_size(WIDE) == (height, width) == (736, 1408)
+    assert conditioning.image_kwargs["condition_latents_1"].shape == (1, 16, height // 8, width // 8)
     (shapes,) = pipeline.transformer_inputs(conditioning)(conditioning.pos_cond_kwargs)["img_shapes"]
-    assert shapes == [(1, SIZE // 16, SIZE // 16), (1, 768 // 16, 1376 // 16)]
-    assert pipeline.condition_tokens(conditioning).shape == (1, (768 // 16) * (1376 // 16), 64)
+    assert shapes == [(1, SIZE // 16, SIZE // 16), (1, height // 16, width // 16)]
+    assert pipeline.condition_tokens(conditioning).shape == (1, (height // 16) * (width // 16), 64)
     # The text encoder reads the image: the same prompt with another image encodes otherwise.
     (tall,) = pipeline.encode_prompts(["make it red"], [""], options, [(TALL,)]).buckets
     assert not torch.equal(
