@@ -37,6 +37,8 @@ import dataclasses
 import math
 import pickle
 import tempfile
+import base64
+import io
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -47,11 +49,13 @@ import numpy as np
 import torch
 from hypothesis import HealthCheck, given, reject, seed, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from rollout.calibration import require_batch_invariance
 from rollout.cost import transformer_cost
 from rollout.dataset import PER_SAMPLE_TENSORS, RolloutDatasetWriter, load_rollouts
 from rollout.errors import ModelLoadError
+from rollout.input_images import ImageInputLimits, decode_input_image
 from rollout.kernels import BatchInvariance
 from rollout.micro_batching import MicroBatching
 from rollout.models.choice import EMBEDDED_MODEL
@@ -70,6 +74,18 @@ MAX_SAMPLES = 8  # per request
 LIMITS = RequestLimits()
 
 
+def _png_data_uri(height: int, width: int, seed: int) -> str:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    encoded = io.BytesIO()
+    Image.fromarray(pixels).save(encoded, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode()
+
+
+# Input images for the models whose prompts need one (image-to-video), as a client sends them, in
+# two aspect ratios; and decoded, for the companions' roots.
+CONDITION_IMAGES = (_png_data_uri(40, 72, 0), _png_data_uri(64, 24, 1))
+DECODED_CONDITION_IMAGES = tuple(decode_input_image(uri, "image_path", ImageInputLimits()) for uri in CONDITION_IMAGES)
+
 # Model name -> the record of the tiny copy its requests go to (`rollout.testing.families`: one per
 # model, with the part of the request space it takes).
 MODELS = {record.model: record for record in TINY_FAMILIES.values() if record.requests}
@@ -83,7 +99,8 @@ class Case:
         body: the request as a client sends it.
         micro_batch_size, invariance: the model's micro-batching for this case.
         chunk_size: samples per piece of work when the request is cut (dispatch's chunks).
-        companions: `(prompt, seed, branching)` of other roots sampled in the same call.
+        companions: `(prompt, seed, branching)` of other roots sampled in the same call, and their
+            prompt's input images where the model needs them (`(prompt, seed, branching, images)`).
         companion_position: where among the request's roots the companions go.
     """
 
@@ -125,12 +142,17 @@ def stochastic_kind(body: dict[str, Any], step: int) -> str:
 
 
 @st.composite
-def rollout_bodies(draw, space: RequestSpace) -> dict[str, Any]:
-    """A valid `/rollout/generate` body from a model's part of the request space."""
+def rollout_bodies(draw, space: RequestSpace, images_per_prompt: int = 0) -> dict[str, Any]:
+    """A valid `/rollout/generate` body from a model's part of the request space, with
+    `images_per_prompt` input images for each prompt (a model that needs them)."""
     steps = draw(st.integers(space.min_steps, MAX_STEPS))
     body: dict[str, Any] = {"num_inference_steps": steps}
     prompts = draw(st.lists(st.sampled_from(space.prompts), min_size=1, max_size=3))
     body["prompt"] = prompts[0] if len(prompts) == 1 and draw(st.booleans()) else prompts
+    if images_per_prompt:
+        entries = [[draw(st.sampled_from(CONDITION_IMAGES)) for _ in range(images_per_prompt)] for _ in prompts]
+        entries = [entry[0] if len(entry) == 1 else entry for entry in entries]
+        body["image_path"] = entries if isinstance(body["prompt"], list) else entries[0]
     negative = draw(st.sampled_from(["none", "one", "each"]))
     if negative == "one":
         body["negative_prompt"] = draw(st.sampled_from(("",) + space.prompts))
@@ -196,14 +218,18 @@ def _can_branch(body: dict[str, Any], step: int, steps: int) -> bool:
 def cases(draw, models: tuple[str, ...] = tuple(MODELS)) -> Case:
     record = MODELS[draw(st.sampled_from(models))]
     space = record.requests
-    body = draw(rollout_bodies(space))
+    images_per_prompt = record.family.condition_images.least_per_prompt
+    body = draw(rollout_bodies(space, images_per_prompt))
     companions = []
     for _ in range(draw(st.integers(0, 2))):
         # Companions share the request's options (a call samples one set), not its tree.
         branching = Branching()
         if "rollout_branch_steps" in body and draw(st.booleans()):
             branching = Branching((body["rollout_branch_steps"][0],), (2,))
-        companions.append((draw(st.sampled_from(space.prompts)), draw(st.integers(0, 2**32)), branching))
+        companion = (draw(st.sampled_from(space.prompts)), draw(st.integers(0, 2**32)), branching)
+        if images_per_prompt:
+            companion += (tuple(draw(st.sampled_from(DECODED_CONDITION_IMAGES)) for _ in range(images_per_prompt)),)
+        companions.append(companion)
     return Case(
         model=record.model,
         dtype=draw(st.sampled_from(space.dtypes)),
@@ -440,7 +466,10 @@ def check_batch_invariance(case: Case, served: Served) -> None:
     the request is cut into chunks sampled by separate calls."""
     pipeline = _configured(case)
     if case.companions:
-        companions = [TreeRoot(prompt, "", s, branching) for prompt, s, branching in case.companions]
+        companions = [
+            TreeRoot(prompt, "", s, branching, images=images[0] if images else ())
+            for prompt, s, branching, *images in case.companions
+        ]
         position = case.companion_position % (len(served.roots) + 1)
         roots = served.roots[:position] + companions + served.roots[position:]
         leaves = sample_tree(pipeline, roots, served.options).batch.samples
