@@ -55,6 +55,7 @@ from rollout.calibration import require_batch_invariance
 from rollout.cost import transformer_cost
 from rollout.dataset import PER_SAMPLE_TENSORS, RolloutDatasetWriter, load_rollouts
 from rollout.errors import ModelLoadError
+from rollout.input_images import ImageInputLimits, decode_input_image
 from rollout.kernels import BatchInvariance
 from rollout.micro_batching import MicroBatching
 from rollout.models.choice import EMBEDDED_MODEL
@@ -86,7 +87,8 @@ class Case:
         body: the request as a client sends it.
         micro_batch_size, invariance: the model's micro-batching for this case.
         chunk_size: samples per piece of work when the request is cut (dispatch's chunks).
-        companions: `(prompt, seed, branching)` of other roots sampled in the same call.
+        companions: `(prompt, seed, branching, images)` of other roots sampled in the same call
+            (`images`: their prompt's input images, () for none).
         companion_position: where among the request's roots the companions go.
     """
 
@@ -97,7 +99,7 @@ class Case:
     micro_batch_size: int
     invariance: str
     chunk_size: int
-    companions: tuple[tuple[str, int, Branching], ...] = ()
+    companions: tuple[tuple[str, int, Branching, tuple], ...] = ()
     companion_position: int = 0
 
 
@@ -200,6 +202,11 @@ def _png_data_uri(height: int, width: int, seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+def _decoded_image(height: int, width: int, seed: int):
+    """`_png_data_uri`'s image as the server decodes it: a companion root's input image."""
+    return decode_input_image(_png_data_uri(height, width, seed), "image_path", ImageInputLimits())
+
+
 def _can_branch(body: dict[str, Any], step: int, steps: int) -> bool:
     """Whether the children of a branch at `step` would draw noise of a non-zero std."""
     kind = stochastic_kind(body, step)
@@ -219,7 +226,9 @@ def cases(draw, models: tuple[str, ...] = tuple(MODELS)) -> Case:
         branching = Branching()
         if "rollout_branch_steps" in body and draw(st.booleans()):
             branching = Branching((body["rollout_branch_steps"][0],), (2,))
-        companions.append((draw(st.sampled_from(space.prompts)), draw(st.integers(0, 2**32)), branching))
+        image_size = draw(st.sampled_from(space.image_sizes))
+        images = () if image_size is None else (_decoded_image(*image_size, draw(st.integers(0, 2**16))),)
+        companions.append((draw(st.sampled_from(space.prompts)), draw(st.integers(0, 2**32)), branching, images))
     return Case(
         model=record.model,
         dtype=draw(st.sampled_from(space.dtypes)),
@@ -462,7 +471,7 @@ def check_batch_invariance(case: Case, served: Served) -> None:
     the request is cut into chunks sampled by separate calls."""
     pipeline = _configured(case)
     if case.companions:
-        companions = [TreeRoot(prompt, "", s, branching) for prompt, s, branching in case.companions]
+        companions = [TreeRoot(prompt, "", s, branching, images=images) for prompt, s, branching, images in case.companions]
         position = case.companion_position % (len(served.roots) + 1)
         roots = served.roots[:position] + companions + served.roots[position:]
         leaves = sample_tree(pipeline, roots, served.options).batch.samples
@@ -579,11 +588,11 @@ REGRESSIONS = (
                                    **_TRAJECTORY}),
     _regression(EMBEDDED_MODEL, {"prompt": "8", "seed": 11, "num_inference_steps": 6, "num_outputs_per_prompt": 8,
                                    "rollout_branch_steps": [0, 3], "rollout_branch_factors": [2, 2],
-                                   "rollout_return_step_indices": [0, 1, 4, 6]}, companions=(("2", 3, Branching()),)),
+                                   "rollout_return_step_indices": [0, 1, 4, 6]}, companions=(("2", 3, Branching(), ()),)),
     # A served LoRA under batch-invariant kernels: a sample sliced from a call kept the call's strides.
     _regression("sd3", {"prompt": ["a cat"], "seed": 0, "num_inference_steps": 2, "height": 32, "width": 32,
                         "num_outputs_per_prompt": 1, "rollout_return_step_indices": [0, 1, 2]},
-                lora=True, invariance="kernels", micro_batch_size=2, companions=(("a cat", 0, Branching()),)),
+                lora=True, invariance="kernels", micro_batch_size=2, companions=(("a cat", 0, Branching(), ()),)),
 )
 
 # Counterexamples whose defect is still open: each still breaks a guarantee (the suite holds it so

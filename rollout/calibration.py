@@ -29,10 +29,12 @@ import torch
 
 from rollout.conditioning import Conditioning
 from rollout.errors import ModelLoadError
+from rollout.input_images import ImageInputLimits, InputImage, decode_input_image
 from rollout.kernels import BatchInvariance
 from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
-from rollout.sampler import micro_batch_size, pad_conditioning, resolve_options, rows_per_sample, sample
+from rollout.sampler import micro_batch_size, pad_conditioning, resolve_options, rows_per_sample, sample_tree
+from rollout.tree import TreeRoot
 
 DEFAULT_CANDIDATES = (1, 2, 4, 8, 16, 32)
 # An RL group: Flow-GRPO and DanceGRPO sample 8 to 24 images a prompt, and a worker batches several.
@@ -46,6 +48,17 @@ UNGUIDED = {"guidance_scale": 1.0, "true_cfg_scale": 1.0}
 # A prompt every served model takes, the embedded digits model included.
 CALIBRATION_PROMPT = "the digit 7"
 CALIBRATION_STEPS = 2
+
+
+def calibration_images(pipeline: RolloutPipeline, height: int, width: int) -> tuple[InputImage, ...]:
+    """The input images a calibration prompt takes: none, or as many as a model that needs them
+    (image-to-video) needs, each a fixed gradient of the output size."""
+    count = pipeline.condition_images.least_per_prompt
+    if not count:
+        return ()
+    rows = torch.linspace(0, 255, height).round().to(torch.uint8)[:, None].expand(height, width)
+    pixels = torch.stack([rows, rows.flip(0), torch.full((height, width), 128, dtype=torch.uint8)])
+    return (decode_input_image(pixels, "image_path", ImageInputLimits()),) * count
 
 
 @dataclass(frozen=True)
@@ -101,7 +114,8 @@ def _probe(
     options = resolve_options(
         pipeline, SamplingOptions(height=height, width=width, num_inference_steps=2, **(guidance or {}))
     )
-    (one_row,) = pipeline.encode_prompts([CALIBRATION_PROMPT], [""], options).buckets
+    images = calibration_images(pipeline, height, width)
+    (one_row,) = pipeline.encode_prompts([CALIBRATION_PROMPT], [""], options, [images]).buckets
     schedule = pipeline.schedule(options.num_inference_steps, height, width, options.num_frames)
     timestep = schedule.model_timesteps[0].to(pipeline.device)
     return options, pipeline.latent_shape(height, width, options.num_frames), one_row.conditioning, timestep
@@ -171,6 +185,7 @@ def calibrate(
     if all(rows % per_sample for rows in candidates):
         raise ValueError(f"a guided sample takes {per_sample} rows of a {pipeline.name} call: add an even candidate")
     samples = max(candidates)
+    images = calibration_images(pipeline, resolved.height, resolved.width)
     micro_batching = pipeline.micro_batching
 
     def seconds_of(rows: int) -> tuple[float, float]:
@@ -180,7 +195,7 @@ def calibrate(
         )
         with _decode_timed(pipeline) as decode_seconds:
             started = time.perf_counter()
-            sample(pipeline, [CALIBRATION_PROMPT] * samples, list(range(samples)), options)
+            sample_tree(pipeline, [TreeRoot(CALIBRATION_PROMPT, "", seed, images=images) for seed in range(samples)], options)
             synchronize(pipeline.device)
             rollout_seconds = time.perf_counter() - started
         return rollout_seconds - decode_seconds[0], decode_seconds[0]

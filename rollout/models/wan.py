@@ -112,8 +112,12 @@ class WanFamily(DiffusersFamily):
     # Conditioning ------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str, options: SamplingOptions) -> dict[str, torch.Tensor]:
-        embeds = self.pipe._get_t5_prompt_embeds(
-            prompt=[prompt], max_sequence_length=self.max_sequence_length, device=self.device
+        # `WanPipeline`'s own text encoding, called on any Wan pipeline: its prompt cleaning skips
+        # `ftfy` where it is not installed (the image-to-video pipeline's calls it unguarded).
+        from diffusers.pipelines.wan.pipeline_wan import WanPipeline  # imports transformers: on first use
+
+        embeds = WanPipeline._get_t5_prompt_embeds(
+            self.pipe, prompt=[prompt], max_sequence_length=self.max_sequence_length, device=self.device
         )
         return {"encoder_hidden_states": embeds.to(self.dtype)}
 
@@ -137,13 +141,24 @@ class WanFamily(DiffusersFamily):
             _, frames, height, width = x_t.shape[1:]
             tokens = frames * (height // self.patch_size) * (width // self.patch_size)
             timestep = timestep.unsqueeze(1).expand(-1, tokens)
-        velocity = self.run_transformer(x_t, timestep, expert, **conditioning.pos_cond_kwargs)
+        hidden_states, image_inputs = self.denoiser_inputs(x_t, conditioning)
+        velocity = self.run_transformer(hidden_states, timestep, expert, **conditioning.pos_cond_kwargs, **image_inputs)
         if not self.uses_negative_branch(options):
             return velocity
         if conditioning.neg_cond_kwargs is None:
             raise ValueError("classifier-free guidance needs the negative branch's conditioning (neg_cond_kwargs)")
-        unconditional = self.run_transformer(x_t, timestep, expert, **conditioning.neg_cond_kwargs)
+        # The negative branch sees the same image condition, as the pipeline gives it.
+        unconditional = self.run_transformer(
+            hidden_states, timestep, expert, **conditioning.neg_cond_kwargs, **image_inputs
+        )
         return unconditional + self.guidance_scale_of(expert, options) * (velocity - unconditional)
+
+    def denoiser_inputs(
+        self, x_t: torch.Tensor, conditioning: Conditioning
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The denoiser's `hidden_states` for latents `x_t`, and its image inputs for both guidance
+        branches: the latents and none for text-to-video (`rollout.models.wan_i2v` adds the image)."""
+        return x_t, {}
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Videos `(B, C, F, H, W)` in [0, 1], each decoded alone (the VAE's causal cache is per call)."""

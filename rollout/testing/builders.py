@@ -39,6 +39,7 @@ from diffusers import (
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     UniPCMultistepScheduler,
+    WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
 )
@@ -52,6 +53,7 @@ from transformers import (
     CLIPTextModelWithProjection,
     CLIPTokenizer,
     CLIPVisionConfig,
+    CLIPVisionModel,
     Mistral3Config,
     Mistral3ForConditionalGeneration,
     Qwen2_5_VLConfig,
@@ -510,16 +512,24 @@ def build_tiny_qwenimage_edit_plus(path: Path, transformer_heads: int = 2) -> Pa
     return build_tiny_qwenimage_edit(path, transformer_heads, pipeline_class=QwenImageEditPlusPipeline)
 
 
-def _wan_transformer(text_dim: int, channels: int, heads: int) -> WanTransformer3DModel:
+def _wan_transformer(
+    text_dim: int, channels: int, heads: int, in_channels: int | None = None, image_dim: int | None = None
+) -> WanTransformer3DModel:
     """Wan's DiT layout (patch (1, 2, 2), RMS qk-norm across heads, cross-attention norm) with two
-    tiny layers; head dim 16 splits into 8 temporal and 4 + 4 spatial rotary frequencies."""
+    tiny layers; head dim 16 splits into 8 temporal and 4 + 4 spatial rotary frequencies.
+
+    `in_channels`: the input's channels where they are not the output's (image-to-video: the latents,
+    the mask and the condition); `image_dim`: the width of CLIP image embeddings it takes, with its
+    own key and value projections for them, as Wan2.1-I2V (`added_kv_proj_dim` its width)."""
     torch.manual_seed(_SEED)
+    image = {} if image_dim is None else {"image_dim": image_dim, "added_kv_proj_dim": 16 * heads}
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=heads,
         attention_head_dim=16,
-        in_channels=channels,
+        in_channels=in_channels or channels,
         out_channels=channels,
+        **image,
         text_dim=text_dim,
         freq_dim=32,
         ffn_dim=64,
@@ -554,17 +564,30 @@ def _wan21_vae() -> AutoencoderKLWan:
 
 
 def _save_wan(
-    path: Path, vae: AutoencoderKLWan, flow_shift: float, transformer_heads: int, two_experts: bool = False, **config
+    path: Path,
+    vae: AutoencoderKLWan,
+    flow_shift: float,
+    transformer_heads: int,
+    two_experts: bool = False,
+    pipeline_class: type = WanPipeline,
+    in_channels: int | None = None,
+    image_dim: int | None = None,
+    **config,
 ) -> Path:
-    """A tiny `WanPipeline` on `vae` (UMT5 of width 32, the published UniPC scheduler at `flow_shift`),
-    with a second, differently drawn transformer as `transformer_2` if `two_experts`, saved to `path`."""
+    """A tiny `WanPipeline` (or `pipeline_class` with its own `config` components) on `vae` (UMT5 of
+    width 32, the published UniPC scheduler at `flow_shift`), with a second, differently drawn
+    transformer as `transformer_2` if `two_experts`, saved to `path`; `in_channels` and `image_dim`
+    as `_wan_transformer` takes them."""
     tokenizer = tiny_t5_tokenizer()
     text_encoder = _t5_encoder(tokenizer, d_model=32, umt5=True)
-    denoisers = {"transformer": _wan_transformer(text_encoder.config.d_model, vae.config.z_dim, transformer_heads)}
+    transformer = _wan_transformer(
+        text_encoder.config.d_model, vae.config.z_dim, transformer_heads, in_channels=in_channels, image_dim=image_dim
+    )
+    denoisers = {"transformer": transformer}
     if two_experts:
         torch.manual_seed(_SEED + 1)
         denoisers["transformer_2"] = WanTransformer3DModel.from_config(denoisers["transformer"].config)
-    pipe = WanPipeline(
+    pipe = pipeline_class(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=vae,
@@ -592,6 +615,63 @@ def build_tiny_wan22_a14b(path: Path, transformer_heads: int = 2) -> Path:
     Wan2.1's VAE; scheduler `flow_shift` 3.0."""
     return _save_wan(
         path, _wan21_vae(), flow_shift=3.0, transformer_heads=transformer_heads, two_experts=True, boundary_ratio=0.875
+    )
+
+
+def _wan_i2v_channels() -> int:
+    """An image-to-video transformer's input: the latents, the 4-channel mask (the VAE's temporal
+    factor) and the condition's latents."""
+    return 2 * _LATENT_CHANNELS + 4
+
+
+def build_tiny_wan21_i2v(path: Path, transformer_heads: int = 2) -> Path:
+    """Save a tiny Wan2.1-I2V-like `WanImageToVideoPipeline` to `path` and return `path`.
+
+    The components of `build_tiny_wan21` with a transformer on 36 input channels (latents, mask,
+    condition) that takes CLIP image embeddings of width 24 with its own key and value
+    projections, a `CLIPVisionModel` (width 24, patch 8 on 32 px: 17 tokens) and CLIP's image
+    processor resizing and cropping to 32 px; scheduler `flow_shift` 3.0 (the 480P checkpoint's).
+    """
+    vision_width = 24
+    torch.manual_seed(_SEED)
+    image_encoder = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=vision_width,
+            intermediate_size=2 * vision_width,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+    )
+    image_processor = CLIPImageProcessor(
+        **{**_CLIP_L14_IMAGE_PROCESSOR, "size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}
+    )
+    return _save_wan(
+        path,
+        _wan21_vae(),
+        flow_shift=3.0,
+        transformer_heads=transformer_heads,
+        pipeline_class=WanImageToVideoPipeline,
+        in_channels=_wan_i2v_channels(),
+        image_dim=vision_width,
+        image_encoder=image_encoder,
+        image_processor=image_processor,
+    )
+
+
+def build_tiny_wan22_i2v_a14b(path: Path, transformer_heads: int = 2) -> Path:
+    """Save a tiny Wan2.2-I2V-A14B-like `WanImageToVideoPipeline`: two experts on 36 input channels
+    switching at `boundary_ratio` 0.9, no CLIP image encoder, Wan2.1's VAE; scheduler `flow_shift` 5.0."""
+    return _save_wan(
+        path,
+        _wan21_vae(),
+        flow_shift=5.0,
+        transformer_heads=transformer_heads,
+        two_experts=True,
+        pipeline_class=WanImageToVideoPipeline,
+        in_channels=_wan_i2v_channels(),
+        boundary_ratio=0.9,
     )
 
 

@@ -23,6 +23,7 @@ from rollout.models.qwenimage import QwenImageFamily
 from rollout.models.qwenimage_edit import QwenImageEditFamily
 from rollout.models.sd3 import StableDiffusion3Family
 from rollout.models.wan import WanFamily
+from rollout.models.wan_i2v import WanImageToVideoFamily
 
 DIGIT_PROMPTS = ("0", "3", "seven", "a handwritten 4", "the digit 9")  # the embedded model knows only digits
 WORDS = ("a cat", "a red house", "two dogs on the grass at night", "x")
@@ -330,6 +331,43 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             token_pixels=32,  # the Wan2.2 VAE's factor 16
         ),
         TinyFamily(
+            "wan21_i2v",
+            WanImageToVideoFamily,
+            "build_tiny_wan21_i2v",
+            guided={"guidance_scale": 4.0},
+            unguided={"guidance_scale": 1.0},
+            trained={"guidance_scale": 5.0},
+            frames=5,
+            inputs=TransformerInputs(
+                frozenset({"encoder_hidden_states"}),
+                image=frozenset({"condition_mask", "condition_latents", "encoder_hidden_states_image"}),
+            ),
+            requests=RequestSpace(
+                WORDS,
+                budget=3,
+                sizes=(32,),
+                frames=(1, 5),
+                guidance_scales=(None, 1.0, 4.0),
+                image_sizes=((40, 72), (64, 24)),  # image-to-video needs its image
+            ),
+            condition_images=1,
+            # The image is stretched to the output size (rollout/models/wan_i2v.py).
+            pipeline_arguments=lambda image, height, width: {"image": image},
+        ),
+        TinyFamily(
+            "wan22_i2v_a14b",
+            WanImageToVideoFamily,
+            "build_tiny_wan22_i2v_a14b",
+            guided={"guidance_scale": 4.0, "guidance_scale_2": 2.5},  # the low-noise expert's own scale
+            unguided={"guidance_scale": 1.0},
+            frames=5,
+            inputs=TransformerInputs(
+                frozenset({"encoder_hidden_states"}), image=frozenset({"condition_mask", "condition_latents"})
+            ),
+            condition_images=1,
+            pipeline_arguments=lambda image, height, width: {"image": image},
+        ),
+        TinyFamily(
             "ltx",
             LTXVideoFamily,
             "build_tiny_ltx",
@@ -352,4 +390,5 @@ IMAGE_FAMILIES = [
 ]
 # The copies of image-conditioned families (editing, image-to-video).
 CONDITIONED_FAMILIES = [name for name, record in TINY_FAMILIES.items() if record.condition_images]
-VIDEO_FAMILIES = [name for name, record in TINY_FAMILIES.items() if record.video]
+# The copies of text-to-video families (image-to-video ones are conditioned).
+VIDEO_FAMILIES = [name for name, record in TINY_FAMILIES.items() if record.video and not record.condition_images]
