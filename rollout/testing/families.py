@@ -299,6 +299,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             condition_images=1,
             # The request's size is the output size; the condition is about 1 MP whatever it is.
             pipeline_arguments=lambda image, height, width: {"image": image},
+            gpu_check=GpuCheck("qwen_image_edit", budget_weight=2.0),
         ),
         TinyFamily(
             "wan21",

@@ -108,3 +108,36 @@ def wan21_t2v_1_3b(tiny_pipe):
         tokenizer=tiny_pipe.tokenizer, text_encoder=text_encoder, vae=AutoencoderKLWan(),
         scheduler=tiny_pipe.scheduler, transformer=transformer,
     )  # fmt: skip
+
+
+def _qwen25_vl_7b():
+    """Qwen2.5-VL-7B-Instruct's published configuration: Qwen-Image's (and Qwen-Image-Edit's) text encoder."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+            "num_key_value_heads": 4, "vocab_size": 152064, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        },
+        vision_config={
+            "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584,
+            "fullatt_block_indexes": [7, 15, 23, 31], "window_size": 112,
+        },
+    )  # fmt: skip
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def qwen_image_edit(tiny_pipe):
+    """Qwen-Image-Edit: the 20B MMDiT (diffusers' defaults are its published configuration), the
+    Qwen-Image VAE and Qwen2.5-VL-7B, with Qwen2-VL's published image processing on the tiny copy's
+    tokenizer (the processor without a video part: `rollout.models.qwenimage_edit`)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2VLImageProcessor
+
+    from rollout.models.qwenimage_edit import ImageOnlyQwen2VLProcessor
+
+    processor = ImageOnlyQwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=tiny_pipe.processor.tokenizer)
+    return QwenImageEditPipeline(
+        transformer=QwenImageTransformer2DModel(), vae=AutoencoderKLQwenImage(), scheduler=tiny_pipe.scheduler,
+        text_encoder=_qwen25_vl_7b(), tokenizer=tiny_pipe.tokenizer, processor=processor,
+    )  # fmt: skip
