@@ -25,7 +25,13 @@ from deployments.work import (
     ServiceUnavailableError,
     WorkerResult,
 )
-from rollout.calibration import CALIBRATION_PROMPT, CALIBRATION_STEPS, UNGUIDED, require_batch_invariance
+from rollout.calibration import (
+    CALIBRATION_PROMPT,
+    CALIBRATION_STEPS,
+    UNGUIDED,
+    calibration_images,
+    require_batch_invariance,
+)
 from rollout.cost import CostFacts, transformer_cost
 from rollout.errors import NonFiniteOutputError, RolloutError, SamplingAbandoned
 from rollout.kernels import BatchInvariance
@@ -33,8 +39,9 @@ from rollout.models.base import RolloutPipeline
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.options import SamplingOptions
 from rollout.plan import checked_against_model
-from rollout.sampler import SamplerCall, micro_batch_size, sample, sample_tree
+from rollout.sampler import SamplerCall, micro_batch_size, resolve_options, sample_tree
 from rollout.transitions import TransitionKind
+from rollout.tree import TreeRoot
 from rollout.weights import weights_layout
 
 logger = logging.getLogger("ray.serve")
@@ -134,13 +141,16 @@ class RolloutWorker:
             raise RuntimeError(f"the last {self._failed_calls_in_a_row} sampler calls failed or gave no finite samples")
 
     def _samples_a_probe(self) -> bool:
-        """Whether this replica still samples a small request of its own (the calibration prompt,
-        one frame, no guidance, `CALIBRATION_STEPS` deterministic steps) to finite images."""
+        """Whether this replica still samples a small request of its own (the calibration prompt and
+        the input images a model needs, one frame, no guidance, `CALIBRATION_STEPS` deterministic
+        steps) to finite images."""
         options = SamplingOptions(
             num_inference_steps=CALIBRATION_STEPS, num_frames=1, sde_type=TransitionKind.ODE, return_step_indices=(), **UNGUIDED
         )
         try:
-            sample(self.pipeline, [CALIBRATION_PROMPT], [0], options).check_finite()
+            options = resolve_options(self.pipeline, options)
+            images = calibration_images(self.pipeline, options.height, options.width)
+            sample_tree(self.pipeline, [TreeRoot(CALIBRATION_PROMPT, "", 0, images=images)], options).batch.check_finite()
         except Exception:
             logger.exception("the replica's own probe request failed too: the failure counts toward replacing it")
             return False
