@@ -162,7 +162,7 @@ def picture(family: str, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
-    parser.add_argument("--family", choices=CONDITIONED_FAMILIES, default=CONDITIONED_FAMILIES[0])
+    parser.add_argument("--family", choices=CONDITIONED_FAMILIES, default="qwenimage_edit")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--picture", type=Path, help="draw an input image and a row of its edits here, and measure nothing")
     args = parser.parse_args()

@@ -322,7 +322,7 @@ SGLANG_ERRORS = [
     ({"fps": 0}, "fps", 400),
     ({"num_frames": 0}, "num_frames", 400),
     ({"num_frames": 17}, "num_frames", 400),  # a value this image model cannot serve
-    ({"image_path": ["cat.png"]}, "image_path", 400),
+    ({"image_path": ["cat.png"]}, "image_path[0]", 400),  # a file path, and no allowed_image_paths configured
     ({"extra_sampling_params": {"sigmas": [1.0, 0.5]}}, "extra_sampling_params.sigmas", 400),
     ({"extra_sampling_params": {"rollout": False}}, "extra_sampling_params.rollout", 400),
     ({"extra_sampling_params": {"num_inference_steps": "8"}}, "extra_sampling_params.num_inference_steps", 422),
