@@ -141,7 +141,7 @@ def rollout_bodies(draw, space: RequestSpace) -> dict[str, Any]:
         body["negative_prompt"] = draw(st.sampled_from(("",) + space.prompts))
     elif negative == "each" and isinstance(body["prompt"], list):
         body["negative_prompt"] = [draw(st.sampled_from(("",) + space.prompts)) for _ in prompts]
-    image_size = draw(st.sampled_from(space.image_sizes))
+    image_size = _image_size(draw, space)
     if image_size is not None:  # one image a prompt, each its own pixels
         first = draw(st.integers(0, 2**16))
         uris = [_png_data_uri(*image_size, first + i) for i in range(len(prompts))]
@@ -194,6 +194,12 @@ def rollout_bodies(draw, space: RequestSpace) -> dict[str, Any]:
     return body
 
 
+def _image_size(draw, space: RequestSpace) -> tuple[int, int] | None:
+    """An input image's size from the space, or None; draws nothing for a model without images,
+    so that its requests are the ones drawn before images existed."""
+    return None if space.image_sizes == (None,) else draw(st.sampled_from(space.image_sizes))
+
+
 def _png_data_uri(height: int, width: int, seed: int) -> str:
     """A random RGB image as a client sends it in JSON: a PNG data URI."""
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
@@ -226,7 +232,7 @@ def cases(draw, models: tuple[str, ...] = tuple(MODELS)) -> Case:
         branching = Branching()
         if "rollout_branch_steps" in body and draw(st.booleans()):
             branching = Branching((body["rollout_branch_steps"][0],), (2,))
-        image_size = draw(st.sampled_from(space.image_sizes))
+        image_size = _image_size(draw, space)
         images = () if image_size is None else (_decoded_image(*image_size, draw(st.integers(0, 2**16))),)
         companions.append((draw(st.sampled_from(space.prompts)), draw(st.integers(0, 2**32)), branching, images))
     return Case(
