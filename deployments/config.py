@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -228,7 +228,7 @@ class RolloutAppConfig(BaseModel):
         description="Directories that weight updates may read checkpoints from: the path and every file read, "
         "symlinks resolved, must be under one. Empty (the default): any path the server's user can read, as SGLang.",
     )
-    allowed_image_paths: list[str] = Field(
+    allowed_image_paths: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
         description="Directories that a request's image_path may name files in: the path, symlinks resolved, must be "
         "under one. Empty (the default): file paths are refused; images come inline (base64, bytes, tensors). "

@@ -258,12 +258,19 @@ def checked_against_model(
     `options` with the model's defaults filled in, the one place they are (`resolve_options`).
 
     Raises `InvalidRequestError` naming the field: a prompt the model cannot condition on, input
-    `images` (one tuple per sample) it does not take (`RolloutPipeline.condition_images`), a size
+    `images` (one tuple per sample) it does not take (`RolloutPipeline.condition_images`), a
+    `true_cfg_scale` for a model without classifier-free guidance (FLUX.2's), a size
     or frame count it cannot make (`RolloutPipeline.latent_shape`), a step count its scheduler
     cannot make, or a response of more than `limits.max_response_bytes` over the
     `samples_in_response` samples of the whole request (`most_response_bytes_per_row`)."""
     model.check_prompts(prompts, negative_prompts)
     model.condition_images.check(images, model.name)
+    if model.negative_branch.scale is None and options.true_cfg_scale not in (None, 1.0):
+        raise InvalidRequestError(
+            "true_cfg_scale",
+            f"model {model.name!r} runs no classifier-free guidance (its pipeline has none): leave it out, or "
+            "set guidance_scale, its embedded guidance",
+        )
     options = resolve_options(model, options)
     model.schedule(options.num_inference_steps, options.height, options.width, options.num_frames)
     latent_shape = model.latent_shape(options.height, options.width, options.num_frames)

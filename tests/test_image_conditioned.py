@@ -23,6 +23,7 @@ from rollout.input_images import ImageInputLimits, decode_input_image
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline, resolve_model
 from rollout.options import SamplingOptions
+from rollout.plan import RequestLimits, checked_against_model
 from rollout.replay import replay_log_probs
 from rollout.sampler import sample_tree
 from rollout.testing.families import CONDITIONED_FAMILIES, TINY_FAMILIES
@@ -225,6 +226,14 @@ def test_flux2_without_and_with_two_references_reproduces_its_pipeline(pipelines
     assert batch.schedule.sigmas[0] == 1.0 and torch.equal(
         batch.schedule.timesteps, alone.pipe.scheduler.timesteps
     )  # the pipeline's own schedule for this size and step count
+
+
+def test_flux2_refuses_a_true_cfg_scale_its_pipeline_has_no_branch_for(pipelines):
+    pipeline = pipelines("flux2")
+    with pytest.raises(InvalidRequestError, match="true_cfg_scale: model 'flux2' runs no classifier-free guidance"):
+        checked_against_model(pipeline, SamplingOptions(true_cfg_scale=2.0), ["a cat"], [""], 1, RequestLimits())
+    options = checked_against_model(pipeline, SamplingOptions(true_cfg_scale=1.0), ["a cat"], [""], 1, RequestLimits())
+    assert options.guidance_scale == pipeline.default_guidance_scale  # 1 is no guidance: served
 
 
 def test_qwenimage_edit_conditions_at_1mp_after_the_noise_and_its_text_reads_the_image(pipelines):

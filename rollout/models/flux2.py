@@ -10,7 +10,8 @@ pixel of that layout, with ids `(0, row, column, 0)`. The schedule: sigmas `lins
 shifted with `mu = compute_empirical_mu(noise tokens, T)` (it depends on the step count too). The
 time input is the timestep in the model dtype over 1000; guidance is embedded (`guidance_scale`,
 default 4.0). The pipeline has no classifier-free guidance and takes no negative prompt: neither
-does this family (a negative prompt or `true_cfg_scale` is not read).
+does this family (a negative prompt is not read; a served `true_cfg_scale` other than 1 is refused,
+`rollout.plan.checked_against_model`).
 
 Reference images (`image_path`, up to `MOST_REFERENCES` a prompt, every one a reference of each of
 the prompt's samples): refused as the pipeline's `check_image_input` refuses them (a side under

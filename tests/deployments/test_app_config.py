@@ -48,6 +48,8 @@ def test_build_app_takes_no_arguments_or_a_dict():
         ({"model": {"vae_tiling": True}}, "model.vae_tiling", "the embedded model has no VAE"),
         ({"model": {"batch_invariance": "fast"}}, "model.batch_invariance", "Input should be 'padding' or 'kernels'"),
         ({"weight_version": "first weights"}, "weight_version", "1 to 128 characters of letters, digits"),
+        # An empty root would refuse every request with an image (as a server error) at its first.
+        ({"allowed_image_paths": [""]}, "allowed_image_paths.0", "at least 1 character"),
     ],
 )
 def test_a_bad_config_fails_build_app_naming_the_field(args, field, reason):
