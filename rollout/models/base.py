@@ -98,7 +98,7 @@ class ConditionImageRule:
     min_side: int = 0
     max_aspect_ratio: float | None = None
 
-    def check(self, images: Sequence[Sequence[Any]], model: str) -> None:
+    def check(self, images: Sequence[Sequence[InputImage]], model: str) -> None:
         """Raises `InvalidRequestError` naming ``image_path`` (and the prompt's index) unless every
         prompt's images (one sequence per prompt or sample) number what the model takes."""
         for i, prompt_images in enumerate(images):
@@ -112,11 +112,9 @@ class ConditionImageRule:
                     f"got {count}",
                 )
             for image in prompt_images:
-                self._check_size(getattr(image, "height", None), getattr(image, "width", None), i, model)
+                self._check_size(image.height, image.width, i, model)
 
-    def _check_size(self, height: int | None, width: int | None, prompt: int, model: str) -> None:
-        if height is None or width is None:  # not a decoded image: nothing to measure
-            return
+    def _check_size(self, height: int, width: int, prompt: int, model: str) -> None:
         if min(height, width) < self.min_side:
             raise InvalidRequestError(
                 f"image_path[{prompt}]",
