@@ -74,9 +74,10 @@ MAX_SAMPLES = 8  # per request
 LIMITS = RequestLimits()
 
 
-# Model name -> the record of the tiny copy its requests go to (`rollout.testing.families`: one per
-# model, with the part of the request space it takes).
-MODELS = {record.model: record for record in TINY_FAMILIES.values() if record.requests}
+# Copy name -> the record of a tiny copy that requests go to (`rollout.testing.families`: at least
+# one per model, each with the part of the request space it takes; Wan's TI2V layout with images is
+# a copy of its own beside Wan2.1's).
+COPIES = {record.name: record for record in TINY_FAMILIES.values() if record.requests}
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Case:
     """One generated request and everything about how it is served.
 
     Attributes:
+        copy: the tiny copy (`COPIES`) that serves it, as its model.
         body: the request as a client sends it.
         micro_batch_size, invariance: the model's micro-batching for this case.
         chunk_size: samples per piece of work when the request is cut (dispatch's chunks).
@@ -92,7 +94,7 @@ class Case:
         companion_position: where among the request's roots the companions go.
     """
 
-    model: str
+    copy: str
     dtype: str
     lora: bool
     body: dict[str, Any]
@@ -101,6 +103,10 @@ class Case:
     chunk_size: int
     companions: tuple[tuple[str, int, Branching, tuple], ...] = ()
     companion_position: int = 0
+
+    @property
+    def model(self) -> str:
+        return COPIES[self.copy].model
 
 
 class PropertyViolation(AssertionError):
@@ -222,8 +228,8 @@ def _can_branch(body: dict[str, Any], step: int, steps: int) -> bool:
 
 
 @st.composite
-def cases(draw, models: tuple[str, ...] = tuple(MODELS)) -> Case:
-    record = MODELS[draw(st.sampled_from(models))]
+def cases(draw, copies: tuple[str, ...] = tuple(COPIES)) -> Case:
+    record = COPIES[draw(st.sampled_from(copies))]
     space = record.requests
     body = draw(rollout_bodies(space))
     companions = []
@@ -236,7 +242,7 @@ def cases(draw, models: tuple[str, ...] = tuple(MODELS)) -> Case:
         images = () if image_size is None else (_decoded_image(*image_size, draw(st.integers(0, 2**16))),)
         companions.append((draw(st.sampled_from(space.prompts)), draw(st.integers(0, 2**32)), branching, images))
     return Case(
-        model=record.model,
+        copy=record.name,
         dtype=draw(st.sampled_from(space.dtypes)),
         lora=draw(st.booleans()),
         body=body,
@@ -254,11 +260,11 @@ def cases(draw, models: tuple[str, ...] = tuple(MODELS)) -> Case:
 
 
 @lru_cache(maxsize=None)
-def pipeline_for(model: str, dtype: str, lora: bool):
+def pipeline_for(copy_name: str, dtype: str, lora: bool):
     """The model of a case, loaded once per process (its micro-batching is set per case)."""
-    record = MODELS[model]
+    record = COPIES[copy_name]
     path = None if record.embedded else record.build(Path(tempfile.mkdtemp(prefix="rollout-properties-")) / record.name)
-    pipeline = load_pipeline(model, path, device="cpu", dtype=getattr(torch, dtype))
+    pipeline = load_pipeline(record.model, path, device="cpu", dtype=getattr(torch, dtype))
     if lora:
         _serve_a_lora(pipeline)
     return pipeline
@@ -308,16 +314,16 @@ def serve_case(case: Case, **option_changes) -> Served:
 
 
 def _configured(case: Case):
-    pipeline = pipeline_for(case.model, case.dtype, case.lora)
+    pipeline = pipeline_for(case.copy, case.dtype, case.lora)
     pipeline.micro_batching = MicroBatching(case.micro_batch_size, invariance=BatchInvariance(case.invariance))
     return pipeline
 
 
 @lru_cache(maxsize=None)
-def servable(model: str, dtype: str, lora: bool, micro_batch_size: int, invariance: str, height: int, width: int) -> bool:
+def servable(copy_name: str, dtype: str, lora: bool, micro_batch_size: int, invariance: str, height: int, width: int) -> bool:
     """Whether a worker would serve this configuration: its start-up check that a sample's bits do
     not depend on its companions (`require_batch_invariance`) holds on this machine."""
-    case = Case(model, dtype, lora, {}, micro_batch_size, invariance, chunk_size=1)
+    case = Case(copy_name, dtype, lora, {}, micro_batch_size, invariance, chunk_size=1)
     try:
         require_batch_invariance(_configured(case), height, width)
     except ModelLoadError:
@@ -329,14 +335,14 @@ def check_case(case: Case) -> None:
     """Raises `PropertyViolation` naming the first guarantee `case` breaks; a configuration no
     worker would serve is rejected (Hypothesis draws another)."""
     served = serve_case(case)
-    how = (case.model, case.dtype, case.lora, case.micro_batch_size, case.invariance)
+    how = (case.copy, case.dtype, case.lora, case.micro_batch_size, case.invariance)
     if not servable(*how, served.options.height, served.options.width):
         reject()
     full = serve_case(case, debug=True, return_step_indices=None)
     batch, options, steps = served.batch, served.options, served.options.num_inference_steps
     check_shapes(batch, options)
     check_flags_change_no_bits(batch, full.batch)
-    check_steps_against_the_formulas(case.body, full.batch)
+    check_steps_against_the_formulas(case.body, full.batch, held_frames(case, full.batch))
     check_replay(case, full.batch)  # every step; what the request kept is bit-equal to it
     again = serve_case(case)
     for a, b in zip(batch.samples, again.batch.samples):
@@ -416,14 +422,34 @@ def _form(body: dict[str, Any]) -> str:
     return body.get("rollout_log_prob_form") or "gaussian"
 
 
-def check_steps_against_the_formulas(body: dict[str, Any], full: RolloutBatch) -> None:
-    """Every step of every sample, from its latents and velocity, against the formulas above."""
+def held_frames(case: Case, batch: RolloutBatch) -> list[torch.Tensor | None]:
+    """Each sample's latent frames `(C, k, H, W)` that the model holds at every step
+    (`RolloutPipeline.held_frames`: a first frame given as an image), from its prompt and images
+    encoded again; None for a sample that holds none."""
+    pipeline = _configured(case)
+    samples = batch.samples
+    conditioning = pipeline.encode_prompts(
+        [s.prompt for s in samples], [s.negative_prompt for s in samples], batch.options, [s.condition_images for s in samples]
+    )
+    held = pipeline.held_frames(conditioning)
+    return [None if held is None or not held.rows[i] else held.values[i] for i in range(len(samples))]
+
+
+def check_steps_against_the_formulas(body: dict[str, Any], full: RolloutBatch, held: list[torch.Tensor | None]) -> None:
+    """Every step of every sample, from its latents and velocity, against the formulas above; a
+    sample's `held` frames are in every latent, and its steps sample (and score) the others."""
     sigmas = full.schedule.sigmas.double().numpy()
     eta = body.get("rollout_noise_level", 0.7) if body.get("rollout", True) else 0.0
     form = _form(body)
-    for sample in full.samples:
+    for sample, held_frames_of_sample in zip(full.samples, held, strict=True):
         debug = sample.debug
         latents = sample.latents.double().numpy()
+        sampled = (slice(None),)  # the elements each step draws: all, or the frames after the held ones
+        if held_frames_of_sample is not None:
+            frames = held_frames_of_sample.shape[1]
+            sampled = (slice(None), slice(frames, None))
+            for k, kept in enumerate(sample.latents):
+                expect(torch.equal(kept[:, :frames], held_frames_of_sample), f"sample seed {sample.seed}: latent {k} lets its held frames go")
         for step in range(len(sigmas) - 1):
             kind = stochastic_kind(body, step)
             where = f"sample seed {sample.seed} path {sample.branch_path}, step {step} ({kind})"
@@ -435,10 +461,11 @@ def check_steps_against_the_formulas(body: dict[str, Any], full: RolloutBatch) -
             mean_error = float((np.abs(debug.prev_sample_means[step].double().numpy() - mean) / scale).max())
             expect(mean_error < 1e-5, f"{where}: the mean is off the formula by {mean_error:.2e} (relative)")
             taken = debug.prev_sample_means[step] + debug.noise_std_devs[step] * debug.variance_noises[step]
-            expect(torch.equal(sample.latents[step + 1], taken), f"{where}: x_(s+1) != mean + std * noise")
+            expect(torch.equal(sample.latents[step + 1][sampled], taken[sampled]), f"{where}: x_(s+1) != mean + std * noise")
             if kind == "ode":  # draws no noise (a stochastic step of std 0, CPS's last, still draws one)
                 expect(bool((debug.variance_noises[step] == 0).all()), f"{where}: an ode step records noise")
-            expected, rounding = reference_log_prob(latents[step + 1], debug.prev_sample_means[step].double().numpy(), returned_std, form)
+            mean_taken = debug.prev_sample_means[step].double().numpy()
+            expected, rounding = reference_log_prob(latents[step + 1][sampled], mean_taken[sampled], returned_std, form)
             got = float(sample.log_probs[step])
             tolerance = 1e-5 * (1 + abs(expected)) + 8 * rounding
             expect(abs(got - expected) <= tolerance, f"{where}: log-prob {got} != {expected} (+- {tolerance:.1e})")
@@ -576,9 +603,9 @@ def check_cost(case: Case, served: Served) -> None:
 
 
 # Kept counterexamples: each found a defect once, and runs first in the test and the benchmark.
-def _regression(model: str, body: dict[str, Any], **how) -> Case:
+def _regression(copy_name: str, body: dict[str, Any], **how) -> Case:
     fields = dict(dtype="float32", lora=False, micro_batch_size=4, invariance="padding", chunk_size=8)
-    return Case(model=model, body=body, **{**fields, **how})
+    return Case(copy=copy_name, body=body, **{**fields, **how})
 
 
 _TRAJECTORY = {"rollout_return_dit_trajectory": True}
@@ -606,13 +633,13 @@ REGRESSIONS = (
 OPEN_COUNTEREXAMPLES = (
     # A served LoRA on Wan at 1 frame: the second sample of a padded call of 2 gets other bits than
     # alone. The worker's start-up check runs before any LoRA, at the default frame count.
-    _regression("wan", {"prompt": ["a cat", "a cat"], "seed": 0, "num_inference_steps": 1, "height": 16, "width": 16,
+    _regression("wan21", {"prompt": ["a cat", "a cat"], "seed": 0, "num_inference_steps": 1, "height": 16, "width": 16,
                         "num_frames": 1, "rollout_noise_level": 0.0, "num_outputs_per_prompt": 1},
                 lora=True, micro_batch_size=2, chunk_size=1),
 )
 
 
-def run(examples: int, hypothesis_seed: int, models: tuple[str, ...]) -> dict[str, Any]:
+def run(examples: int, hypothesis_seed: int, copies: tuple[str, ...]) -> dict[str, Any]:
     """Checks the kept counterexamples, then `examples` generated cases; raises on the first
     violation (Hypothesis shrinks it first)."""
     counts: dict[str, int] = {}
@@ -622,10 +649,10 @@ def run(examples: int, hypothesis_seed: int, models: tuple[str, ...]) -> dict[st
 
     @seed(hypothesis_seed)
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(cases(models))
+    @given(cases(copies))
     def generated(case: Case) -> None:
         check_case(case)
-        key = case.model + (" tree" if "rollout_branch_steps" in case.body else "")
+        key = case.copy + (" tree" if "rollout_branch_steps" in case.body else "")
         counts[key] = counts.get(key, 0) + 1
         done = sum(counts.values())
         if done % 100 == 0:
@@ -639,7 +666,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=200, help="generated requests to check")
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis's seed: the same seed draws the same requests")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--models", nargs="+", default=list(COPIES), choices=list(COPIES), help="the tiny copies to draw requests for"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's own)")
     args = parser.parse_args()
     if args.threads is not None:

@@ -230,7 +230,8 @@ def checked_cost(plan: RolloutPlan, facts: CostFacts, limits: RequestLimits) -> 
     the fields that drive it if it is over `limits.max_request_cost`. The ingress calls it right
     after `plan_rollout`, once it has the facts from a worker replica. Input images the model does
     not take are refused here too, before anything is sent (`InvalidRequestError` naming ``image_path``)."""
-    facts.condition_images.check(_per_prompt(plan.images, plan.num_outputs_per_prompt), facts.model)
+    num_frames = facts.default_num_frames if plan.options.num_frames is None else plan.options.num_frames
+    facts.condition_images.check(_per_prompt(plan.images, plan.num_outputs_per_prompt), facts.model, num_frames)
     cost = facts.request_cost(plan.roots(), plan.options)
     if cost.token_steps > limits.max_request_cost:
         frames = ", num_frames" if facts.default_num_frames > 1 else ""
@@ -264,7 +265,8 @@ def checked_against_model(
     cannot make, or a response of more than `limits.max_response_bytes` over the
     `samples_in_response` samples of the whole request (`most_response_bytes_per_row`)."""
     model.check_prompts(prompts, negative_prompts)
-    model.condition_images.check(images, model.name)
+    num_frames = model.default_num_frames if options.num_frames is None else options.num_frames
+    model.condition_images.check(images, model.name, num_frames)
     if model.negative_branch.scale is None and options.true_cfg_scale not in (None, 1.0):
         raise InvalidRequestError(
             "true_cfg_scale",

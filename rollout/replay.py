@@ -108,6 +108,8 @@ def transition_log_probs(
     sigmas = schedule.sigmas.to(device)
     conditioning = _conditioning_of(pipeline, options, samples)
     padded_conditioning = pad_buckets(pipeline, conditioning, options)
+    held = pipeline.held_frames(conditioning)
+    held = None if held is None else held.to(device)
 
     log_probs = []
     for step in steps:
@@ -125,6 +127,7 @@ def transition_log_probs(
             sigma_after_one=sigmas[1],
             x_next=x_next,
             log_prob_form=options.log_prob_form,
+            held=held,
         )
         log_probs.append(transition.log_prob)
     return torch.stack(log_probs, dim=1) if log_probs else latents.new_zeros(len(samples), 0)

@@ -36,7 +36,7 @@ from rollout.options import SamplingOptions, check_seed
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import RolloutBatch, SampleTrajectory, StepDebug
 from rollout.tree import Branching, TreeRoot, roots_of
-from rollout.transitions import Transition, take_step
+from rollout.transitions import HeldFrames, Transition, take_step
 
 
 def resolve_options(pipeline: RolloutPipeline, options: SamplingOptions) -> SamplingOptions:
@@ -250,6 +250,8 @@ class _TreeRun:
         kept_steps: the steps whose latents are kept (`SamplingOptions.kept_latent_steps`).
         branch_steps: every root's branch steps, in order; an epoch ends at each, and at the last step.
         noise_stds: `(steps,)` each step's noise std, shared by every row; None unless debugging.
+        held_frames: the latent frames each root holds at every step (`RolloutPipeline.held_frames`),
+            on the device; None where none does.
         epochs: the epochs so far, first to last.
     """
 
@@ -264,7 +266,14 @@ class _TreeRun:
     kept_steps: tuple[int, ...]
     branch_steps: list[int]
     noise_stds: torch.Tensor | None
+    held_frames: HeldFrames | None
     epochs: list[_Epoch]
+
+    def held_by(self, nodes: list[_Node]) -> HeldFrames | None:
+        """The frames each of `nodes` holds: its root's."""
+        if self.held_frames is None:
+            return None
+        return self.held_frames.select(torch.tensor([node.root for node in nodes], device=self.device))
 
     def start_epoch(self, first_step: int, nodes: list[_Node], parent: torch.Tensor | None, after_branch: bool) -> _Epoch:
         """A new epoch from `first_step` to the next branch step (or the last step), with a buffer
@@ -365,6 +374,7 @@ def _prepare(pipeline: RolloutPipeline, roots: Sequence[TreeRoot], options: Samp
     images = [root.images for root in roots]
     conditioning = pipeline.encode_prompts(prompts, negatives, options, images).map(lambda t: t.cpu())
     schedule = pipeline.schedule(num_steps, options.height, options.width, options.num_frames)
+    held_frames = pipeline.held_frames(conditioning)
     return _TreeRun(
         roots=roots,
         options=options,
@@ -377,6 +387,7 @@ def _prepare(pipeline: RolloutPipeline, roots: Sequence[TreeRoot], options: Samp
         kept_steps=options.kept_latent_steps(),
         branch_steps=sorted({step for root in roots for step in root.branching.steps}),
         noise_stds=_host_buffer((num_steps,), device) if options.debug else None,
+        held_frames=None if held_frames is None else held_frames.to(device),
         epochs=[],
     )
 
@@ -395,8 +406,11 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
     ]
     epoch = run.start_epoch(0, nodes, None, after_branch=False)
     padded_conditioning = pad_buckets(pipeline, run.conditioning, options)
+    held = run.held_by(nodes)
     transformer_rows = 0
     x_t = _draw_noise([node.generator for node in nodes], run.latent_shape, device)
+    if held is not None:  # as the pipeline's first model input
+        x_t = held.hold(x_t)
     _keep(epoch, 0, x_t)
     for step in range(options.num_inference_steps + 1):
         if kept := _rows_still_wanted(epoch.nodes, abandoned()):
@@ -405,6 +419,7 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
             epoch = run.start_epoch(step, nodes, torch.tensor(kept, dtype=torch.int64), after_branch=False)
             x_t = x_t[torch.tensor(kept, device=x_t.device)]
             padded_conditioning = pad_buckets(pipeline, run.conditioning.select([node.root for node in nodes]), options)
+            held = run.held_by(nodes)
         if step == options.num_inference_steps:  # the check before decoding
             break
         timestep, expert = run.schedule.model_timesteps[step], run.schedule.expert_at(step)
@@ -415,6 +430,7 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
             epoch = run.start_epoch(step, nodes, parent, after_branch=True)
             x_t, v = x_t[parent.to(x_t.device)], v[parent.to(v.device)]
             padded_conditioning = pad_buckets(pipeline, run.conditioning.select([node.root for node in nodes]), options)
+            held = run.held_by(nodes)
         kind = options.transition_at(step)
         noise = _draw_noise([node.generator for node in nodes], run.latent_shape, device) if kind.draws_noise else None
         transition = take_step(
@@ -427,6 +443,7 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
             sigma_after_one=run.sigmas[1],
             noise=noise,
             log_prob_form=options.log_prob_form,
+            held=held,
         )
         x_t = transition.x_next
         _keep(epoch, step + 1, x_t)

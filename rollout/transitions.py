@@ -7,6 +7,10 @@ dominated by (x_next - mean)^2 / std^2, which bf16 cannot resolve.
 
 Notation: sigma = sigmas[i], sigma_next = sigmas[i + 1], dt = sigma_next - sigma (< 0), v is the
 model's velocity (after guidance), eta the noise level.
+
+A video model may hold its first latent frames at given values at every step instead of sampling
+them (`HeldFrames`: Wan2.2-TI2V-5B conditioned on an image); the step replaces them in x_next, and
+the log-prob is the mean over the elements it sampled.
 """
 
 from __future__ import annotations
@@ -44,6 +48,47 @@ class LogProbForm(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class HeldFrames:
+    """The leading latent frames that each step holds at given values, per row: a video's first
+    frame given as an image, as Wan2.2-TI2V-5B's pipeline replaces latent frame 0 by the image's
+    latents before every model call and at the end. A held element is never drawn, so it takes no
+    part in a step's log-prob.
+
+    Attributes:
+        rows: `(B,)` bool, the rows that hold frames (a batch mixes rows with and without).
+        values: `(B, C, k, H, W)` fp32, the k frames each row holds (zeros in a row that holds none).
+    """
+
+    rows: torch.Tensor
+    values: torch.Tensor
+
+    def __post_init__(self):
+        if self.rows.dtype != torch.bool or self.rows.shape != self.values.shape[:1] or self.values.ndim != 5:
+            raise ValueError(
+                f"held frames need (B,) bool rows and (B, C, k, H, W) values, got {tuple(self.rows.shape)} "
+                f"{self.rows.dtype} and {tuple(self.values.shape)}"
+            )
+
+    @property
+    def frames(self) -> int:
+        return self.values.shape[2]
+
+    def select(self, index: torch.Tensor) -> "HeldFrames":
+        """Row j is this one's row `index[j]` (a tree's nodes take their root's)."""
+        return HeldFrames(self.rows[index], self.values[index])
+
+    def to(self, device: torch.device) -> "HeldFrames":
+        return HeldFrames(self.rows.to(device), self.values.to(device))
+
+    def hold(self, x: torch.Tensor) -> torch.Tensor:
+        """Latents `(B, C, F, H, W)` with each holding row's first k frames replaced by its values."""
+        frames = self.frames
+        rows = self.rows.to(x.device).view(-1, 1, 1, 1, 1)
+        held = torch.where(rows, self.values.to(x.device, x.dtype), x[:, :, :frames])
+        return torch.cat([held, x[:, :, frames:]], dim=2)
+
+
+@dataclass(frozen=True)
 class Transition:
     """Result of one step for a batch of B samples; tensors are fp32.
 
@@ -51,7 +96,8 @@ class Transition:
         x_next: `(B, ...)` the latents after the step.
         mean: `(B, ...)` the mean of x_next given x_t.
         noise_std: `()` standard deviation of x_next around `mean`; 0 for a deterministic step.
-        log_prob: `(B,)` mean over latent elements of the log-density of x_next; 0 when deterministic.
+        log_prob: `(B,)` mean over latent elements (those not held, `HeldFrames`) of the
+            log-density of x_next; 0 when deterministic.
     """
 
     x_next: torch.Tensor
@@ -94,25 +140,36 @@ def transition_distribution(
 
 
 def gaussian_log_prob(
-    x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, form: LogProbForm = LogProbForm.GAUSSIAN
+    x_next: torch.Tensor,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    form: LogProbForm = LogProbForm.GAUSSIAN,
+    held: HeldFrames | None = None,
 ) -> torch.Tensor:
-    """Mean over the non-batch elements of the log-density of x_next in `form`, shape `(B,)`.
+    """Mean over the non-batch elements of the log-density of x_next in `form`, shape `(B,)`; in a
+    row that holds frames (`held`), over the elements after them.
 
     A zero std means a deterministic step, whose log-prob is defined as 0 in every form, like
     the ODE's.
     """
-    reduce_dims = tuple(range(1, x_next.ndim))
     if not bool(std > 0):
         return torch.zeros(x_next.shape[0], dtype=torch.float32, device=x_next.device)
     squared_error = (x_next.float() - mean) ** 2
     if form is LogProbForm.SQUARED_ERROR:
-        return (-squared_error).mean(dim=reduce_dims)
-    log_density = -squared_error / (2 * std**2)
-    if form is LogProbForm.GAUSSIAN:
-        log_density = log_density - torch.log(std) - _LOG_SQRT_2PI
-    elif form is not LogProbForm.GAUSSIAN_NO_CONST:
-        raise ValueError(f"unknown log-prob form {form!r}; expected one of {[f.value for f in LogProbForm]}")
-    return log_density.mean(dim=reduce_dims)
+        log_density = -squared_error
+    else:
+        log_density = -squared_error / (2 * std**2)
+        if form is LogProbForm.GAUSSIAN:
+            log_density = log_density - torch.log(std) - _LOG_SQRT_2PI
+        elif form is not LogProbForm.GAUSSIAN_NO_CONST:
+            raise ValueError(f"unknown log-prob form {form!r}; expected one of {[f.value for f in LogProbForm]}")
+    reduce_dims = tuple(range(1, x_next.ndim))
+    every_element = log_density.mean(dim=reduce_dims)
+    if held is None:
+        return every_element
+    # Made contiguous, the free frames reduce as a tensor of their own shape would, in any batch.
+    free_elements = log_density[:, :, held.frames :].contiguous().mean(dim=reduce_dims)
+    return torch.where(held.rows.to(x_next.device), free_elements, every_element)
 
 
 def take_step(
@@ -127,16 +184,20 @@ def take_step(
     noise: torch.Tensor | None = None,
     x_next: torch.Tensor | None = None,
     log_prob_form: LogProbForm = LogProbForm.GAUSSIAN,
+    held: HeldFrames | None = None,
 ) -> Transition:
     """Samples x_next from standard-normal `noise`, or scores a given `x_next`: pass exactly one.
 
     An ODE step takes neither: it is deterministic. The log-prob is always computed from x_next
-    (never from the noise), so sampling and scoring the same x_next give the same bits.
+    (never from the noise), so sampling and scoring the same x_next give the same bits. `held`
+    frames replace x_next's (a given x_next already holds them) and leave its log-prob.
     """
     mean, std = transition_distribution(kind, x_t, v, sigma, sigma_next, eta, sigma_after_one)
     if kind.draws_noise and (noise is None) == (x_next is None):
         raise ValueError(f"a {kind.value} step needs exactly one of noise (to sample) or x_next (to score)")
     if x_next is None:
         x_next = mean if noise is None else mean + std * noise.float()
-    log_prob = gaussian_log_prob(x_next, mean, std, log_prob_form)
+    if held is not None:
+        x_next = held.hold(x_next)
+    log_prob = gaussian_log_prob(x_next, mean, std, log_prob_form, held)
     return Transition(x_next=x_next.float(), mean=mean, noise_std=std, log_prob=log_prob)

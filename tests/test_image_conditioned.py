@@ -1,6 +1,7 @@
 """Image-conditioned families (editing: FLUX.1-Kontext, Qwen-Image-Edit; reference images: FLUX.2;
-image-to-video: Wan2.1-I2V, Wan2.2-I2V-A14B) through the rollout library, on tiny random-weight
-copies saved as diffusers directories (`rollout.testing.families`).
+image-to-video: Wan2.1-I2V, Wan2.2-I2V-A14B, Wan2.2-TI2V-5B given its first frame) through the
+rollout library, on tiny random-weight copies saved as diffusers directories
+(`rollout.testing.families`).
 
 The reference is diffusers' own `pipeline(image=..., ...)`, sampling with the family's scheduler;
 the condition is per prompt: encoded once, shared by the prompt's samples, and part of the exact
@@ -10,6 +11,7 @@ record a replay reads.
 import inspect
 import types
 
+import diffusers
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -86,15 +88,19 @@ ODE_TOLERANCE = {
 }
 
 
-def reference_pipe(pipeline, monkeypatch):
-    """The family's diffusers pipeline sampling with a fresh copy of the family's own scheduler
-    (Wan's private Euler in place of its UniPC), and with `ftfy`, which Wan's image-to-video
-    prompt cleaning calls unguarded, stubbed as the identity where it is not installed (the
-    family cleans prompts as `WanPipeline` does: without it)."""
-    monkeypatch.setattr(pipeline.pipe, "scheduler", FlowMatchEulerDiscreteScheduler.from_config(pipeline.scheduler.config))
+def reference_pipe(pipeline, monkeypatch, family: str):
+    """The family's diffusers pipeline (the copy's `image_pipeline` made from it where its own takes
+    no image) sampling with a fresh copy of the family's own scheduler (Wan's private Euler in
+    place of its UniPC), and with `ftfy`, which Wan's image-to-video prompt cleaning calls
+    unguarded, stubbed as the identity where it is not installed (the family cleans prompts as
+    `WanPipeline` does: without it)."""
+    pipe = pipeline.pipe
+    if TINY_FAMILIES[family].image_pipeline is not None:
+        pipe = getattr(diffusers, TINY_FAMILIES[family].image_pipeline).from_pipe(pipe)
+    monkeypatch.setattr(pipe, "scheduler", FlowMatchEulerDiscreteScheduler.from_config(pipeline.scheduler.config))
     if not hasattr(pipeline_wan_i2v, "ftfy"):
         monkeypatch.setattr(pipeline_wan_i2v, "ftfy", types.SimpleNamespace(fix_text=lambda text: text), raising=False)
-    return pipeline.pipe
+    return pipe
 
 
 # Wan2.2-I2V-A14B takes Wan2.1-I2V's condition on two experts (which tests/test_video_families.py
@@ -116,9 +122,10 @@ def test_the_ode_path_reproduces_the_diffusers_pipeline_given_the_same_image(pip
     batch = edit(alone, [TreeRoot("make it red", negative, 11, images=(WIDE,))], options)
     guidance = TINY_FAMILIES[family].guided if guided else TINY_FAMILIES[family].unguided
     frames = {"num_frames": TINY_FAMILIES[family].frames} if TINY_FAMILIES[family].video else {}
+    reference = reference_pipe(alone, monkeypatch, family)
     # A pipeline without classifier-free guidance (FLUX.2's) takes no negative prompt.
-    takes_negative = "negative_prompt" in inspect.signature(type(alone.pipe).__call__).parameters
-    output = reference_pipe(alone, monkeypatch)(
+    takes_negative = "negative_prompt" in inspect.signature(type(reference).__call__).parameters
+    output = reference(
         prompt="make it red",
         **({"negative_prompt": negative or None} if takes_negative else {}),
         height=SIZE,
@@ -441,3 +448,78 @@ def test_kontext_conditions_of_one_token_count_on_transposed_grids_keep_their_ow
     together = edit(pipeline, roots, options).samples
     for root, sample in zip(roots, together):
         assert torch.equal(edit(pipeline, [root], options).samples[0].latents, sample.latents)
+
+
+def test_ti2v_holds_its_image_as_latent_frame_0_at_time_0_and_equals_its_pipeline_at_several_tokens_a_frame(
+    pipelines, monkeypatch
+):
+    """Wan2.2-TI2V-5B given an image (`WanImageToVideoPipeline` with `expand_timesteps`, on the same
+    directory), at 64x96: frames of 2x3 tokens, so the time input's frame-0 tokens are told apart.
+    The ODE path is the pipeline's bit for bit; every kept latent's frame 0 is the image's
+    normalised latents; the transformer takes time 0 on frame 0's tokens and the step's time on
+    the others."""
+    family = "wan22_ti2v_image"
+    alone = pipelines(family, micro_batch_size=1)
+    height, width, frames = 64, 96, 9
+    options = options_for(family, guided=True, height=height, width=width, num_frames=frames, sde_type=TransitionKind.ODE)
+    times = []
+    hook = alone.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: times.append(kwargs["timestep"].clone()), with_kwargs=True
+    )
+    try:
+        sample = edit(alone, [TreeRoot("make it red", "blurry", 11, images=(WIDE,))], options).samples[0]
+    finally:
+        hook.remove()
+    output = reference_pipe(alone, monkeypatch, family)(
+        prompt="make it red",
+        negative_prompt="blurry",
+        image=WIDE.to_pil(),
+        height=height,
+        width=width,
+        num_frames=frames,
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(11),
+        output_type="latent",
+        **TINY_FAMILIES[family].guided,
+    )
+    assert torch.equal(sample.final_latents, output.frames[0].float())
+
+    pixels = alone.pipe.video_processor.preprocess(WIDE.to_pil(), height=height, width=width).unsqueeze(2)
+    config = alone.vae.config
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (config.latents_mean, config.latents_std))
+    image_latents = ((alone.vae.encode(pixels).latent_dist.mode() - mean) * (1.0 / std))[0]
+    assert all(torch.equal(latent[:, :1], image_latents) for latent in sample.latents)
+    assert not torch.equal(sample.latents[0][:, 1:], sample.latents[-1][:, 1:])  # the frames after it are sampled
+
+    tokens_per_frame = (height // 32) * (width // 32)
+    assert len(times) == 2 * STEPS  # both guidance branches at every step
+    for step, time in enumerate(times[::2]):
+        assert time.shape == (1, 3 * tokens_per_frame)
+        assert not time[:, :tokens_per_frame].any()
+        assert bool((time[:, tokens_per_frame:] == sample.schedule.model_timesteps[step]).all())
+
+
+def test_ti2v_given_an_image_refuses_a_video_of_one_latent_frame_naming_num_frames(pipelines):
+    pipeline = pipelines("wan22_ti2v_image")
+    one_frame = options_for("wan22_ti2v_image", num_frames=1)
+    with pytest.raises(InvalidRequestError, match="num_frames: must be at least 5 for model 'wan' given an image"):
+        edit(pipeline, [TreeRoot("make it red", "", 1, images=(WIDE,))], one_frame)
+    with pytest.raises(InvalidRequestError, match="num_frames: must be at least 5"):
+        checked_against_model(pipeline, SamplingOptions(num_frames=1), ["x"], [""], 1, RequestLimits(), [(WIDE,)])
+    assert len(edit(pipeline, [TreeRoot("no image", "", 1)], one_frame).samples) == 1  # text to one frame
+
+
+def test_a_ti2v_directory_saved_as_an_image_to_video_pipeline_needs_an_image_and_gives_the_same_bits(
+    pipelines, tmp_path
+):
+    """Wan2.2-TI2V-5B's weights saved as a `WanImageToVideoPipeline` (its `expand_timesteps` kept) are
+    model `wan_i2v`: the same held first frame, and an image needed, as that pipeline needs one."""
+    text_to_video = pipelines("wan22_ti2v_image")
+    pipeline_wan_i2v.WanImageToVideoPipeline.from_pipe(text_to_video.pipe).save_pretrained(tmp_path / "ti2v_i2v")
+    assert resolve_model(None, tmp_path / "ti2v_i2v")[0] == "wan_i2v"
+    image_to_video = load_pipeline(None, tmp_path / "ti2v_i2v", device="cpu", micro_batching=MicroBatching(2))
+    options = options_for("wan22_ti2v_image", sde_type=TransitionKind.SDE)
+    root = TreeRoot("make it red", "", 4, images=(TALL,))
+    assert torch.equal(edit(image_to_video, [root], options).samples[0].latents, edit(text_to_video, [root], options).samples[0].latents)
+    with pytest.raises(InvalidRequestError, match=r"image_path\[0\]: .* takes 1 to 1 images per prompt, got 0"):
+        edit(image_to_video, [TreeRoot("no image", "", 1)], options)

@@ -7,7 +7,7 @@ benchmarks.properties --examples N` runs a large budget."""
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
-from benchmarks.properties import MODELS, OPEN_COUNTEREXAMPLES, REGRESSIONS, Case, PropertyViolation, cases, check_case
+from benchmarks.properties import COPIES, OPEN_COUNTEREXAMPLES, REGRESSIONS, Case, PropertyViolation, cases, check_case
 
 SEED = 44
 
@@ -15,25 +15,25 @@ SEED = 44
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.mark.parametrize("case", REGRESSIONS, ids=[f"{case.model}-{i}" for i, case in enumerate(REGRESSIONS)])
+@pytest.mark.parametrize("case", REGRESSIONS, ids=[f"{case.copy}-{i}" for i, case in enumerate(REGRESSIONS)])
 def test_every_counterexample_ever_found_keeps_every_guarantee(case: Case):
     check_case(case)
 
 
 @pytest.mark.xfail(strict=True, raises=PropertyViolation, reason="an open defect: benchmarks.properties.OPEN_COUNTEREXAMPLES")
-@pytest.mark.parametrize("case", OPEN_COUNTEREXAMPLES, ids=[f"{case.model}-{i}" for i, case in enumerate(OPEN_COUNTEREXAMPLES)])
+@pytest.mark.parametrize("case", OPEN_COUNTEREXAMPLES, ids=[f"{case.copy}-{i}" for i, case in enumerate(OPEN_COUNTEREXAMPLES)])
 def test_open_counterexamples_still_break_a_guarantee(case: Case):
     check_case(case)
 
 
-@pytest.mark.parametrize("model", list(MODELS), ids=[f"{model}-budget{r.requests.budget}-seed{SEED}" for model, r in MODELS.items()])
-def test_generated_requests_keep_every_guarantee(model: str):
-    budget = MODELS[model].requests.budget
-    print(f"{budget} generated requests on {model}, Hypothesis seed {SEED}")
+@pytest.mark.parametrize("name", list(COPIES), ids=[f"{name}-budget{r.requests.budget}-seed{SEED}" for name, r in COPIES.items()])
+def test_generated_requests_keep_every_guarantee(name: str):
+    budget = COPIES[name].requests.budget
+    print(f"{budget} generated requests on {name}, Hypothesis seed {SEED}")
 
     @seed(SEED)
     @settings(max_examples=budget, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(cases((model,)))
+    @given(cases((name,)))
     def every_guarantee_holds(case: Case) -> None:
         check_case(case)
 

@@ -6,10 +6,13 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks.properties import reference_transition
 from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 from rollout.transitions import (
+    HeldFrames,
     LogProbForm,
     TransitionKind,
     gaussian_log_prob,
@@ -167,3 +170,58 @@ def test_gaussian_log_prob_is_a_per_sample_mean():
     log_prob = gaussian_log_prob(x, torch.zeros(2, 3), torch.tensor(1.0))
     assert log_prob.shape == (2,)
     assert log_prob[0].item() == pytest.approx(-0.5 * math.log(2 * math.pi))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    held_rows=st.lists(st.booleans(), min_size=1, max_size=4),
+    frames=st.integers(2, 4),
+    held_frames=st.integers(1, 3),
+    kind=st.sampled_from([TransitionKind.SDE, TransitionKind.CPS]),
+    form=st.sampled_from(list(LogProbForm)),
+    step=st.integers(0, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_held_frames_are_replaced_and_the_log_prob_is_the_free_frames_alone_in_any_batch(
+    held_rows, frames, held_frames, kind, form, step, seed
+):
+    """A row that holds its first frames (a video's first frame given as an image) gets them in x_next
+    whatever was drawn, and its log-prob is, bit for bit, that of its other frames scored alone; a
+    row that holds none is scored as without `held`; each row is what it is in a batch of one."""
+    held_frames = min(held_frames, frames - 1)
+    g = torch.Generator().manual_seed(seed)
+    x, v, noise = (torch.randn((len(held_rows), 3, frames, 2, 2), generator=g) for _ in range(3))
+    held = HeldFrames(torch.tensor(held_rows), torch.randn((len(held_rows), 3, held_frames, 2, 2), generator=g))
+    sigmas = SCHEDULE.sigmas
+
+    def taken(rows, **given):
+        return take_step(kind, x[rows], v[rows], sigmas[step], sigmas[step + 1], eta=0.7, sigma_after_one=sigmas[1],
+                         log_prob_form=form, **given)
+
+    every_row = slice(None)
+    with_held = taken(every_row, noise=noise, held=held)
+    without = taken(every_row, noise=noise)
+    for row, holds in enumerate(held_rows):
+        if holds:
+            assert torch.equal(with_held.x_next[row, :, :held_frames], held.values[row])
+            free = gaussian_log_prob(
+                without.x_next[row : row + 1, :, held_frames:].contiguous(),
+                without.mean[row : row + 1, :, held_frames:].contiguous(),
+                without.noise_std,
+                form,
+            )
+            assert torch.equal(with_held.log_prob[row : row + 1], free)
+        else:
+            assert torch.equal(with_held.x_next[row], without.x_next[row])
+            assert torch.equal(with_held.log_prob[row], without.log_prob[row])
+        assert torch.equal(with_held.x_next[row, :, held_frames:], without.x_next[row, :, held_frames:])
+        alone = taken(slice(row, row + 1), noise=noise[row : row + 1], held=held.select(torch.tensor([row])))
+        assert torch.equal(alone.x_next[0], with_held.x_next[row]) and torch.equal(alone.log_prob[0], with_held.log_prob[row])
+    # Scoring what was sampled gives its bits back, whatever x_next held before.
+    scored = taken(every_row, x_next=without.x_next, held=held)
+    assert torch.equal(scored.x_next, with_held.x_next) and torch.equal(scored.log_prob, with_held.log_prob)
+
+
+def test_held_frames_refuse_rows_and_values_that_disagree():
+    with pytest.raises(ValueError, match="held frames need"):
+        HeldFrames(torch.tensor([True, False]), torch.zeros(3, 4, 1, 2, 2))

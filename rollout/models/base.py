@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from rollout.input_images import InputImage
+    from rollout.transitions import HeldFrames
 
 
 def cfg_scale(options: SamplingOptions) -> float:
@@ -89,6 +90,9 @@ class ConditionImageRule:
         min_side: the fewest pixels an image's height and width may have, as sent (0: any).
         max_aspect_ratio: the largest ratio of an image's longer side to its shorter, as sent
             (None: any). FLUX.2's pipeline refuses images outside these two (`check_image_input`).
+        least_frames: the fewest frames a request whose prompts bring images makes (1: any). A
+            model that holds the image as the first latent frame (Wan2.2-TI2V) would sample
+            nothing in a video of one latent frame.
     """
 
     most_per_prompt: int = 0
@@ -97,10 +101,18 @@ class ConditionImageRule:
     most_tokens_per_image: int = 0
     min_side: int = 0
     max_aspect_ratio: float | None = None
+    least_frames: int = 1
 
-    def check(self, images: Sequence[Sequence[InputImage]], model: str) -> None:
+    def check(self, images: Sequence[Sequence[InputImage]], model: str, num_frames: int) -> None:
         """Raises `InvalidRequestError` naming ``image_path`` (and the prompt's index) unless every
-        prompt's images (one sequence per prompt or sample) number what the model takes."""
+        prompt's images (one sequence per prompt or sample) number what the model takes, or naming
+        ``num_frames`` where images come with fewer frames than `least_frames`."""
+        if any(images) and num_frames < self.least_frames:
+            raise InvalidRequestError(
+                "num_frames",
+                f"must be at least {self.least_frames} for model {model!r} given an image (the image is the first "
+                f"latent frame, held at every step: a shorter video samples nothing), got {num_frames}",
+            )
         for i, prompt_images in enumerate(images):
             count = len(prompt_images)
             if self.most_per_prompt == 0 and count:
@@ -135,6 +147,7 @@ class ConditionImageRule:
             "most_tokens_per_image": self.most_tokens_per_image,
             "min_side": self.min_side,
             "max_aspect_ratio": self.max_aspect_ratio,
+            "least_frames": self.least_frames,
         }
 
 
@@ -282,6 +295,12 @@ class RolloutPipeline(Protocol):
         where a prompt's length sets them. What the response-size estimate counts for
         `rollout_return_denoising_env` (`rollout.plan.checked_against_model`), made without
         encoding the request's prompts."""
+        ...
+
+    def held_frames(self, conditioning: BucketedConditioning) -> HeldFrames | None:
+        """The latent frames each row of `conditioning` (as `encode_prompts` made it, or stacked from
+        returned envs) holds at every step instead of sampling them: a video's first frame given
+        as an image (`rollout.transitions.HeldFrames`); None for a model that holds none."""
         ...
 
     def uses_negative_branch(self, options: SamplingOptions) -> bool:

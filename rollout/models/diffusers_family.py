@@ -44,6 +44,7 @@ from rollout.schedule import ScheduleSnapshot, timesteps_as_they_are
 
 if TYPE_CHECKING:
     from rollout.input_images import InputImage
+    from rollout.transitions import HeldFrames
 
 
 def read_model_index(path: str | Path) -> dict[str, Any]:
@@ -290,7 +291,7 @@ class DiffusersFamily:
     ) -> BucketedConditioning:
         self.check_prompts(prompts, negative_prompts)
         images = [()] * len(prompts) if images is None else list(images)
-        self.condition_images.check(images, self.name)
+        self.condition_images.check(images, self.name, options.num_frames)
         negatives = negative_prompts if self.uses_negative_branch(options) else None
 
         def text_key(texts: Sequence[str], row: int) -> tuple:
@@ -379,6 +380,9 @@ class DiffusersFamily:
 
     def uses_negative_branch(self, options: SamplingOptions) -> bool:
         return self.negative_branch.runs(options)
+
+    def held_frames(self, conditioning: BucketedConditioning) -> HeldFrames | None:
+        return None  # every latent element is sampled (`rollout.models.wan` holds a given first frame)
 
     def image_kwargs(self, batch_size: int, options: SamplingOptions) -> dict[str, torch.Tensor] | None:
         """Per-sample transformer inputs that describe the image (ids, shapes), `(B, ...)`."""

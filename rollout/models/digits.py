@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
     from rollout.input_images import InputImage
+    from rollout.transitions import HeldFrames
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "digit-flow"
 IMAGE_SIZE = 16
@@ -245,7 +246,7 @@ class DigitFlowPipeline:
         options: SamplingOptions,
         images: Sequence[tuple[InputImage, ...]] | None = None,
     ) -> BucketedConditioning:
-        self.condition_images.check(images or (), self.name)
+        self.condition_images.check(images or (), self.name, options.num_frames)
         positive_ids, negative_ids = self._class_ids(prompts, negative_prompts)
         with torch.no_grad():
             positive = self._transformer_kwargs(positive_ids)
@@ -276,6 +277,9 @@ class DigitFlowPipeline:
 
     def uses_negative_branch(self, options: SamplingOptions) -> bool:
         return self.negative_branch.runs(options)
+
+    def held_frames(self, conditioning: BucketedConditioning) -> HeldFrames | None:
+        return None  # an image model: nothing held
 
     def _velocity(self, x_t: torch.Tensor, timestep: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
         output = self.transformer(hidden_states=x_t.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)

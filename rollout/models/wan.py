@@ -2,7 +2,8 @@
 
 - Wan2.1-T2V: one transformer on 16 latent channels, VAE 4x in time and 8x in space;
 - Wan2.2-TI2V-5B: one transformer on 48 channels with a time input per token
-  (`expand_timesteps`), VAE 4x in time and 16x in space;
+  (`expand_timesteps`), VAE 4x in time and 16x in space; a prompt may come with an image, which
+  becomes the video's first frame (below);
 - Wan2.2-T2V-A14B: two experts, `transformer` for the steps whose timestep is at least
   `boundary_ratio * 1000` (high noise) and `transformer_2` for the rest, each with its own
   guidance scale (`guidance_scale`, `guidance_scale_2`). The expert of each step is part of the
@@ -21,22 +22,48 @@ depends on its batch. CFG runs the conditional and the unconditional branch as t
 pipeline does, and only when `guidance_scale` > 1. Latents are `(C, F', H', W')` with
 `F' = (num_frames - 1) / 4 + 1`; each video is decoded alone, so the VAE's memory does not grow
 with the request.
+
+Wan2.2-TI2V-5B given an image (what diffusers' `WanImageToVideoPipeline` does with
+`expand_timesteps`, on the same directory): the image is stretched to the output size
+(`video_processor.preprocess`), encoded alone as a one-frame video (the VAE's mode, normalised by
+`latents_mean` and `latents_std`) and held as latent frame 0 at every step
+(`rollout.transitions.HeldFrames`): frame 0 of every model input, of every kept latent and of the
+output is the image's, and its tokens take time input 0 (the pipeline's `first_frame_mask * t`).
+The frame is not sampled, so a step's log-prob is the mean over the other frames. Prompts with
+and without an image share a call's batch, in buckets of their own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from rollout.conditioning import Conditioning
+from rollout.conditioning import BucketedConditioning, Conditioning
 from rollout.errors import InvalidRequestError
-from rollout.models.base import ImageSizeLimits, NegativeBranchRule, latent_frame_count
+from rollout.models.base import ConditionImageRule, ImageSizeLimits, NegativeBranchRule, latent_frame_count
 from rollout.models.diffusers_family import DiffusersFamily
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
+from rollout.transitions import HeldFrames
+
+if TYPE_CHECKING:
+    from rollout.input_images import InputImage
+
+
+def first_frame_condition(frames_per_latent: int, least_per_prompt: int) -> ConditionImageRule:
+    """Wan2.2-TI2V-5B's image: the first latent frame, held (the module docstring). It adds no
+    tokens, and a video needs a latent frame after it."""
+    return ConditionImageRule(
+        most_per_prompt=1,
+        least_per_prompt=least_per_prompt,
+        preprocessing="stretched to the output height and width (the pipeline's video_processor.preprocess), "
+        "encoded alone as latent frame 0, which every step holds",
+        least_frames=frames_per_latent + 1,
+    )
+
 
 
 class WanFamily(DiffusersFamily):
@@ -62,6 +89,8 @@ class WanFamily(DiffusersFamily):
         boundary_ratio = pipe.config.boundary_ratio
         self.boundary_timestep = None if boundary_ratio is None else boundary_ratio * self.scheduler.config.num_train_timesteps
         self.time_input_per_token = bool(pipe.config.expand_timesteps)
+        if self.time_input_per_token:  # a prompt may come with its first frame
+            self.condition_images = first_frame_condition(self.frames_per_latent, least_per_prompt=0)
 
     @classmethod
     def spatial_scale_factor(cls, pipe: Any) -> int:
@@ -121,6 +150,47 @@ class WanFamily(DiffusersFamily):
         )
         return {"encoder_hidden_states": embeds.to(self.dtype)}
 
+    def encode_images(self, images: tuple[InputImage, ...], options: SamplingOptions) -> dict[str, torch.Tensor]:
+        if not images or not self.time_input_per_token:
+            return super().encode_images(images, options)
+        (image,) = images
+        pixels = self.pipe.video_processor.preprocess(image.to_pil(), height=options.height, width=options.width)
+        return {"first_frame_latents": self.encode_video(pixels.to(self.device, torch.float32).unsqueeze(2))}
+
+    def encode_video(self, video: torch.Tensor) -> torch.Tensor:
+        """The VAE's latents of a pixel video `(1, 3, F, H, W)` in [-1, 1], fp32, as the
+        image-to-video pipeline's `prepare_latents` makes its condition: the mode (no noise drawn),
+        less `latents_mean`, times the reciprocal of `latents_std` (literally, for equal bits)."""
+        vae = self.vae
+        latents = vae.encode(video.to(vae.dtype)).latent_dist.mode().to(torch.float32)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, torch.float32)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, torch.float32)
+        return (latents - mean) * inverse_std
+
+    def held_frames(self, conditioning: BucketedConditioning) -> HeldFrames | None:
+        if not self.time_input_per_token:
+            return None
+        rows = torch.zeros(len(conditioning), dtype=torch.bool)
+        values = None
+        for bucket in conditioning.buckets:
+            image = bucket.conditioning.image_kwargs or {}
+            if "first_frame_latents" not in image:  # a prompt without an image
+                continue
+            first_frames = image["first_frame_latents"][: len(bucket.rows)].float().cpu()
+            if values is None:
+                values = first_frames.new_zeros((len(conditioning), *first_frames.shape[1:]))
+            values[bucket.rows] = first_frames
+            rows[bucket.rows] = True
+        return None if values is None else HeldFrames(rows, values)
+
+    def conditioning_bytes(self, options: SamplingOptions) -> tuple[int, ...]:
+        text = super().conditioning_bytes(options)
+        if not self.time_input_per_token:
+            return text
+        channels, _, height, width = self.latent_shape(options.height, options.width, options.num_frames)
+        return (*text, channels * height * width * 4)  # a prompt's held first frame, fp32
+
     def guidance_scale_of(self, expert: int, options: SamplingOptions) -> float:
         if expert == 1 and options.guidance_scale_2 is not None:
             return options.guidance_scale_2
@@ -137,10 +207,14 @@ class WanFamily(DiffusersFamily):
         expert: int = 0,
     ) -> torch.Tensor:
         if self.time_input_per_token:
-            # TI2V's time input per latent token (all equal for text-to-video), as the pipeline expands it.
+            # TI2V's time input per latent token, as the pipeline expands it: all equal for
+            # text-to-video, 0 on a held first frame's tokens. A call's rows all hold or none does
+            # (they share a conditioning bucket).
             _, frames, height, width = x_t.shape[1:]
-            tokens = frames * (height // self.patch_size) * (width // self.patch_size)
-            timestep = timestep.unsqueeze(1).expand(-1, tokens)
+            per_frame = (height // self.patch_size) * (width // self.patch_size)
+            timestep = timestep.unsqueeze(1).expand(-1, frames * per_frame)
+            if "first_frame_latents" in (conditioning.image_kwargs or {}):
+                timestep = torch.cat([torch.zeros_like(timestep[:, :per_frame]), timestep[:, per_frame:]], dim=1)
         hidden_states, image_inputs = self.denoiser_inputs(x_t, conditioning)
         velocity = self.run_transformer(hidden_states, timestep, expert, **conditioning.pos_cond_kwargs, **image_inputs)
         if not self.uses_negative_branch(options):
@@ -157,7 +231,8 @@ class WanFamily(DiffusersFamily):
         self, x_t: torch.Tensor, conditioning: Conditioning
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The denoiser's `hidden_states` for latents `x_t`, and its image inputs for both guidance
-        branches: the latents and none for text-to-video (`rollout.models.wan_i2v` adds the image)."""
+        branches: the latents (a held first frame already in them) and none
+        (`rollout.models.wan_i2v` concatenates its image along channels)."""
         return x_t, {}
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,10 @@ count, as the pipeline's `prepare_latents` does:
 The condition adds no transformer tokens (it is concatenated along channels), so
 `most_tokens_per_image` is 0; the CLIP tokens are cross-attention context, like the text.
 `last_image` (first-last-frame to video, FLF2V) is not served: a prompt takes exactly one image.
-Wan2.2-TI2V-5B with an image (`expand_timesteps`: a time input per token, latent frame 0
-replaced by the condition at every step) is not served either (`docs/real_models.md`).
+
+A directory of this pipeline with `expand_timesteps` (Wan2.2-TI2V-5B's weights saved as an
+image-to-video pipeline) conditions as the TI2V model does in `rollout.models.wan`: the image is
+latent frame 0, held at every step, not channels; here every prompt needs its image.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 from rollout.conditioning import Conditioning
 from rollout.errors import ModelLoadError
 from rollout.models.base import ConditionImageRule
-from rollout.models.wan import WanFamily
+from rollout.models.wan import WanFamily, first_frame_condition
 from rollout.options import SamplingOptions
 
 if TYPE_CHECKING:
@@ -62,11 +64,8 @@ class WanImageToVideoFamily(WanFamily):
 
     def __init__(self, pipe: Any, **kwargs):
         super().__init__(pipe, **kwargs)
-        if self.time_input_per_token:
-            raise ModelLoadError(
-                "model.path",
-                "image-to-video with a time input per token (expand_timesteps, Wan2.2-TI2V-5B) is not served",
-            )
+        if self.time_input_per_token:  # the image-to-video pipeline needs its image
+            self.condition_images = first_frame_condition(self.frames_per_latent, least_per_prompt=1)
         if self.transformer.config.added_kv_proj_dim is not None and self.max_sequence_length != _WAN_TEXT_TOKENS:
             raise ModelLoadError(
                 "model.max_sequence_length",
@@ -83,29 +82,25 @@ class WanImageToVideoFamily(WanFamily):
     # Conditioning ------------------------------------------------------------------------------
 
     def encode_images(self, images: tuple[InputImage, ...], options: SamplingOptions) -> dict[str, torch.Tensor]:
-        if not images:
-            return {}
+        if not images or self.time_input_per_token:
+            return super().encode_images(images, options)
         (image,) = images
         height, width, num_frames = options.height, options.width, options.num_frames
-        channels, latent_frames, latent_height, latent_width = self.latent_shape(height, width, num_frames)
+        _, latent_frames, latent_height, latent_width = self.latent_shape(height, width, num_frames)
         picture = image.to_pil()
         first = self.pipe.video_processor.preprocess(picture, height=height, width=width).to(self.device, torch.float32)
         video = torch.cat([first.unsqueeze(2), first.new_zeros(1, first.shape[1], num_frames - 1, height, width)], dim=2)
-        vae = self.vae
-        latents = vae.encode(video.to(vae.dtype)).latent_dist.mode().to(torch.float32)  # the mode: no noise drawn
-        # The pipeline's arithmetic, literally (a product with the reciprocal std), for equal bits.
-        mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1).to(latents.device, torch.float32)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1).to(
-            latents.device, torch.float32
-        )
+        latents = self.encode_video(video)
         mask = torch.zeros((1, self.frames_per_latent, latent_frames, latent_height, latent_width), device=latents.device)
         mask[:, :, 0] = 1  # the given first frame
-        encoded = {"condition_mask": mask, "condition_latents": (latents - mean) * inverse_std}
+        encoded = {"condition_mask": mask, "condition_latents": latents}
         if self.clip_image_embeddings:
             encoded["encoder_hidden_states_image"] = self.pipe.encode_image(picture, self.device).to(self.dtype)
         return encoded
 
     def conditioning_bytes(self, options: SamplingOptions) -> tuple[int, ...]:
+        if self.time_input_per_token:
+            return super().conditioning_bytes(options)
         channels, *latent = self.latent_shape(options.height, options.width, options.num_frames)
         positions = latent[0] * latent[1] * latent[2]
         condition = (self.frames_per_latent * positions * 4, channels * positions * 4)  # fp32 mask and latents
@@ -121,6 +116,8 @@ class WanImageToVideoFamily(WanFamily):
     def denoiser_inputs(
         self, x_t: torch.Tensor, conditioning: Conditioning
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.time_input_per_token:
+            return super().denoiser_inputs(x_t, conditioning)
         image = conditioning.image_kwargs or {}
         if "condition_latents" not in image:
             raise ValueError(f"model {self.name!r} needs each sample's image condition (image_kwargs)")

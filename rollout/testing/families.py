@@ -132,6 +132,9 @@ class TinyFamily:
         pipeline_arguments: `(image, height, width) -> kwargs`: what the family's diffusers
             pipeline is given for an input image (a PIL image) and the request's output size,
             besides the prompts, steps, generators and guidance (None: a model without images).
+        image_pipeline: the diffusers pipeline class that conditions the copy on an image where
+            its directory's own does not take one (made from it with `from_pipe`, as diffusers'
+            users do); None: the directory's own.
     """
 
     name: str
@@ -149,6 +152,7 @@ class TinyFamily:
     gpu_check: GpuCheck | None = None
     condition_images: int = 0
     pipeline_arguments: Callable[[Any, int, int], dict[str, Any]] | None = None
+    image_pipeline: str | None = None
 
     @property
     def model(self) -> str:
@@ -330,6 +334,28 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             unguided={"guidance_scale": 1.0},
             frames=5,
             token_pixels=32,  # the Wan2.2 VAE's factor 16
+        ),
+        TinyFamily(
+            # The same TI2V copy, its prompts given images: latent frame 0 held (rollout/models/wan.py).
+            "wan22_ti2v_image",
+            WanFamily,
+            "build_tiny_wan22_ti2v",
+            guided={"guidance_scale": 4.0},
+            unguided={"guidance_scale": 1.0},
+            frames=5,
+            token_pixels=32,
+            requests=RequestSpace(
+                WORDS,
+                budget=2,
+                sizes=(32, 64),  # 64: frames of several tokens
+                frames=(5, 9),  # a video given its first frame samples at least one latent frame after it
+                guidance_scales=(None, 1.0, 4.0),
+                image_sizes=((40, 72), None),  # with and without an image: one model serves both
+            ),
+            inputs=TransformerInputs(frozenset({"encoder_hidden_states"}), image=frozenset({"first_frame_latents"})),
+            condition_images=1,
+            pipeline_arguments=lambda image, height, width: {"image": image},
+            image_pipeline="WanImageToVideoPipeline",
         ),
         TinyFamily(
             "wan21_i2v",

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, seed, settings
 
-from benchmarks.properties import LIMITS, MODELS, REGRESSIONS, rollout_bodies
+from benchmarks.properties import COPIES, LIMITS, REGRESSIONS, rollout_bodies
 from rollout.micro_batching import MicroBatching
 from rollout.models.choice import EMBEDDED_MODEL
 from rollout.models.registry import load_pipeline
@@ -81,7 +81,7 @@ def test_generated_requests_are_the_same_bits_over_msgpack_json_and_the_handle(h
 
     @seed(SEED)
     @settings(max_examples=budget, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(rollout_bodies(MODELS[EMBEDDED_MODEL].requests))
+    @given(rollout_bodies(COPIES[EMBEDDED_MODEL].requests))
     def served_as_sampled(body):
         check_served(http, base_url, handle, library, body)
 
