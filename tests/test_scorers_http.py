@@ -59,6 +59,7 @@ class Received:
     prompts: list[str]
     metadata: list[dict]
     images: list[Any]
+    condition_images: list[list[Any]]
 
 
 def mean_scores(request: Received) -> list[float]:
@@ -155,13 +156,14 @@ def _decoded_request(body: bytes, content_type: str) -> Received:
     raises if it is not the wire format."""
     assert content_type in (JSON, MSGPACK), content_type
     decoded = from_msgpack(body) if content_type == MSGPACK else from_json(body)
-    assert set(decoded) == {"prompts", "metadata", "images"}, sorted(decoded)
+    assert set(decoded) == {"prompts", "metadata", "images", "condition_images"}, sorted(decoded)
     count = len(decoded["prompts"])
-    assert all(len(decoded[key]) == count for key in ("metadata", "images"))
+    assert all(len(decoded[key]) == count for key in ("metadata", "images", "condition_images"))
     assert all(isinstance(prompt, str) for prompt in decoded["prompts"])
     assert all(isinstance(metadata, dict) for metadata in decoded["metadata"])
     images = [_decoded_image(image, content_type) for image in decoded["images"]]
-    return Received(content_type, decoded["prompts"], decoded["metadata"], images)
+    conditions = [[_decoded_image(image, content_type) for image in row] for row in decoded["condition_images"]]
+    return Received(content_type, decoded["prompts"], decoded["metadata"], images, conditions)
 
 
 def _decoded_image(image: Any, content_type: str) -> Any:
@@ -237,6 +239,25 @@ def test_video_travels_as_one_png_per_frame_and_grayscale_as_one_channel(server)
     assert len(frames) == 4
     for index, frame in enumerate(frames):
         assert np.array_equal(frame, frames_as_uint8(video)[:, index].permute(1, 2, 0).numpy())
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+@pytest.mark.parametrize("image_format", ["png", "tensor"])
+def test_an_edits_input_images_reach_the_server_as_sent(server, encoding, image_format):
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randint(0, 256, (3, 5, 7), generator=generator, dtype=torch.uint8) for _ in range(2)]
+    edit = ScoringSample(torch.rand(3, 8, 6, generator=generator), "make it red", {"seed": 1}, tuple(inputs))
+    text = ScoringSample(torch.rand(3, 8, 6, generator=generator), "a cat", {"seed": 2})
+    HttpScorer(server.url, encoding=encoding, image_format=image_format).score([edit, text])
+
+    (request,) = server.received
+    sent, none = request.condition_images
+    assert none == [] and len(sent) == 2
+    for image, pixels in zip(sent, inputs):
+        if image_format == "tensor":
+            assert image.dtype == torch.uint8 and torch.equal(image, pixels)
+        else:
+            assert np.array_equal(image, pixels.permute(1, 2, 0).numpy())  # the PNG's (H, W, 3), exact
 
 
 def test_no_samples_no_request(server):

@@ -3,14 +3,18 @@
 The wire format, both ways JSON or msgpack:
 
     POST <url>   Content-Type: application/json (or application/msgpack)
-    {"prompts": [str, ...], "metadata": [{...}, ...], "images": [image, ...]}
+    {"prompts": [str, ...], "metadata": [{...}, ...], "images": [image, ...],
+     "condition_images": [[image, ...], ...]}
 
 one entry per sample in each list, in order. With `image_format="png"` an image is the bytes of
 a PNG (8-bit RGB, or grayscale for a one-channel image) and a video `(C, F, H, W)` is a list of
 PNGs, one per frame; the [0, 1] floats are rounded to 0..255 as `rollout.video.frames_as_uint8`
 rounds them. With `image_format="tensor"` an image or a video is this server's tensor envelope
-(`rollout.codec.encode_tensor`: the sample's fp32 tensor, exact). Bytes are raw in msgpack and
-base64 text in JSON (a PNG's, and an envelope's `data`, as the codec writes it).
+(`rollout.codec.encode_tensor`: the sample's fp32 tensor, exact). `condition_images` are the
+sample's prompt's input images (an editing or image-to-video model's; [] for a text prompt), as
+the client sent them: PNGs of their 8-bit pixels, or `(3, H, W)` uint8 envelopes, both exact.
+Bytes are raw in msgpack and base64 text in JSON (a PNG's, and an envelope's `data`, as the
+codec writes it).
 
 The server answers 200 with `{"scores": [float, ...]}`, one finite number per sample, as JSON or
 msgpack by its Content-Type. Answers are parsed by the codec's parsers (`parse_json`,
@@ -159,6 +163,7 @@ class HttpScorer:
             "prompts": [sample.prompt for sample in samples],
             "metadata": [dict(sample.metadata) for sample in samples],
             "images": [self._image(sample.image) for sample in samples],
+            "condition_images": [[self._condition_image(c) for c in sample.condition_images] for sample in samples],
         }
         if self.encoding == "msgpack":
             return to_msgpack(payload)
@@ -174,10 +179,18 @@ class HttpScorer:
                 f"PNG needs an image (C, H, W) or a video (C, F, H, W) with 1 or 3 channels, got {tuple(image.shape)}: "
                 "use image_format='tensor' for others",
             )
-        pngs = _pngs(image if image.ndim == 4 else image.unsqueeze(1))
-        if self.encoding == "json":
-            pngs = [base64.b64encode(png).decode("ascii") for png in pngs]
+        pngs = [self._bytes(png) for png in _pngs(image if image.ndim == 4 else image.unsqueeze(1))]
         return pngs if image.ndim == 4 else pngs[0]
+
+    def _condition_image(self, image: torch.Tensor) -> Any:
+        """An input image, `(3, H, W)` uint8, as the body carries it: its pixels, exactly."""
+        if self.image_format == "tensor":
+            return image
+        (png,) = _uint8_pngs(image.unsqueeze(1))
+        return self._bytes(png)
+
+    def _bytes(self, data: bytes) -> bytes | str:
+        return base64.b64encode(data).decode("ascii") if self.encoding == "json" else data
 
     def _post(self, body: bytes) -> Any:
         """One attempt: the parsed answer. Raises `_RetryableFailure` for what another attempt may
@@ -258,8 +271,13 @@ def _pngs(frames: torch.Tensor) -> list[bytes]:
     channels = frames.shape[0]
     # frames_as_uint8 takes 3 channels; its rounding is per value, so one channel is rounded as
     # a 3-channel view of itself and kept once.
-    pixels = frames_as_uint8(frames.expand(3, *frames.shape[1:]))[:channels]  # (C, F, H, W) uint8
-    pixels = pixels.permute(1, 2, 3, 0).contiguous().cpu().numpy()  # (F, H, W, C), as PIL reads them
+    return _uint8_pngs(frames_as_uint8(frames.expand(3, *frames.shape[1:]))[:channels])
+
+
+def _uint8_pngs(frames: torch.Tensor) -> list[bytes]:
+    """`(C, F, H, W)` uint8 frames, C 1 or 3, as one PNG per frame."""
+    channels = frames.shape[0]
+    pixels = frames.permute(1, 2, 3, 0).contiguous().cpu().numpy()  # (F, H, W, C), as PIL reads them
     pngs = []
     for frame in pixels:
         buffer = io.BytesIO()
