@@ -82,7 +82,12 @@ def build_app(args: dict[str, Any] | RolloutAppConfig | None = None) -> Applicat
         raise BuildAppError(error) from None
     coordinator = WeightCoordinator.options(
         graceful_shutdown_timeout_s=COORDINATOR_SHUTDOWN_TIMEOUT_S, **DRAIN
-    ).bind(config.weight_version, config.allowed_weight_paths, config.weight_update_timeout_s)
+    ).bind(
+        config.weight_version,
+        config.allowed_weight_paths,
+        config.weight_update_timeout_s,
+        config.allowed_weight_sync_addresses,
+    )
     worker = RolloutWorker.options(
         num_replicas=config.num_worker_replicas,
         max_ongoing_requests=config.max_ongoing_requests_per_worker(),

@@ -237,6 +237,13 @@ class RolloutAppConfig(BaseModel):
     weight_update_timeout_s: float = Field(
         600.0, gt=0, description="How long an update waits for every replica before it is undone everywhere."
     )
+    # A replica connects to the address a trainer names in /init_weights_update_group: only to
+    # those an operator lists, so that the route cannot make the cluster dial anywhere else.
+    allowed_weight_sync_addresses: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda: ["127.0.0.1"],
+        description="Addresses a trainer's weight-update group (master_address) may be at; add the trainer's "
+        "node's address where it runs on another machine.",
+    )
     num_worker_replicas: int = Field(2, ge=1, description="Worker replicas, one pipeline each.")
     worker_num_cpus: float = Field(0.5, gt=0, description="CPUs each worker replica reserves.")
     worker_num_gpus: float | None = Field(

@@ -8,8 +8,12 @@ broadcast to every live replica; if any refuses it, the replicas that took it un
 runs the commands on its sampling thread, between sampler calls, so a batch finishes on the
 weights it started with (`ServedWeights`).
 
-The weights themselves travel through Ray's object store: a trainer's `ray.put` state dict is
-fetched by each replica from wherever it lives, a checkpoint is read once (here) and put once.
+The weights themselves travel through Ray's object store (a trainer's `ray.put` state dict is
+fetched by each replica from wherever it lives, a checkpoint is read once, here, and put once), or
+over a weight-update group (`rollout.weight_sync`): every replica joins the trainer's process group
+(`JoinWeightGroup`), and an update is a `ReceiveWeights` command that each replica runs while the
+trainer broadcasts, then applies and checksums; one replica hands what arrived back in its report,
+which this coordinator puts in the object store (so owns), for a replica starting later to catch up.
 The coordinator also broadcasts the commands of other concerns that every replica must run
 (`deployments/memory.py`'s); what it keeps is only the weights' history.
 """
@@ -17,6 +21,7 @@ The coordinator also broadcasts the commands of other concerns that every replic
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,11 +33,16 @@ from ray.serve.schema import LoggingConfig
 from deployments.broadcast import Command, CommandLog, Posted, Report
 from rollout.checkpoints import UnreadableCheckpointError, disk_update
 from rollout.errors import RolloutError, WeightUpdateError, clip
+from rollout.weight_sync import PackedTensors, TensorSpec, WeightGroup
 from rollout.weights import (
     DEFAULT_TARGET_MODULE,
     TensorLayout,
     WeightUpdate,
     apply_update,
+    check_lora_config,
+    check_tensors,
+    lora_layout,
+    single_target,
     tensor_update,
     weights_checksum,
 )
@@ -88,13 +98,41 @@ class TensorSource:
 
 
 @dataclass(frozen=True)
+class GroupSource:
+    """An update broadcast over the weight-update group `group_name`: its tensors' specs and the
+    bucket size the trainer packs them with, and the LoRA fields as for `TensorSource`."""
+
+    group_name: str
+    specs: tuple[TensorSpec, ...]
+    bucket_bytes: int
+    target_modules: list[str] | None = None
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+
+
+@dataclass(frozen=True)
+class WeightGroupAddress:
+    """Where a weight-update group's rank 0 (the trainer) listens, and who is in it."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
 class UpdateResult:
-    """SGLang's answer (`success`, `message`) and which weights every replica now serves."""
+    """SGLang's answer (`success`, `message`) and which weights every replica now serves; after an
+    update over a weight-update group, each replica's checksum of the module it updated."""
 
     success: bool
     message: str
     weight_version: str
     failed_replicas: dict[str, str] = field(default_factory=dict)
+    checksums: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         # Clipped here, so that no answer or log line echoes a whole value some message holds.
@@ -131,6 +169,32 @@ class CommitWeights(Command):
 
 
 @dataclass(frozen=True)
+class JoinWeightGroup(Command):
+    """Join the weight-update group at `address`, each replica as its rank in `ranks`."""
+
+    address: WeightGroupAddress
+    ranks: dict[str, int]
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class ReceiveWeights(Command):
+    """Receive the tensors the trainer broadcasts over the group, then serve them under `version`
+    as `ApplyWeights` would (`number` names it for its undo); `copy_by` hands what arrived back in
+    its report, for replicas that start later."""
+
+    number: int
+    version: str
+    source: GroupSource
+    copy_by: str
+
+
+@dataclass(frozen=True)
+class LeaveWeightGroup(Command):
+    group_name: str
+
+
+@dataclass(frozen=True)
 class ChecksumWeights(Command):
     """SHA-256 of each module's weights (`module_names`; None: all)."""
 
@@ -162,10 +226,19 @@ class _Committed:
     logging_config=LoggingConfig(enable_access_log=False),
 )
 class WeightCoordinator:
-    def __init__(self, initial_version: str, allowed_weight_paths: list[str], update_timeout_s: float):
+    def __init__(
+        self,
+        initial_version: str,
+        allowed_weight_paths: list[str],
+        update_timeout_s: float,
+        allowed_weight_sync_addresses: list[str],
+    ):
         self.version = initial_version
         self.allowed_weight_paths = allowed_weight_paths
+        self.allowed_weight_sync_addresses = allowed_weight_sync_addresses
+        self.update_timeout_s = update_timeout_s
         self.commands = CommandLog(update_timeout_s)
+        self.groups: dict[str, dict[str, int]] = {}  # weight-update group -> its replicas' ranks
         self.committed: list[_Committed] = []
         self.served: dict[str, str] = {}  # replica -> the version it last reported
         # The modules that hold weights and their weights' layout, as the replicas name them: what a
@@ -214,11 +287,13 @@ class WeightCoordinator:
         served = {replica: self.served.get(replica) for replica in self.commands.replicas}
         return {"weight_version": self.version, "replicas": served}
 
-    async def update(self, source: DiskSource | TensorSource, version: str | None = None) -> UpdateResult:
+    async def update(self, source: DiskSource | TensorSource | GroupSource, version: str | None = None) -> UpdateResult:
         """Applies an update on every live replica, all or nothing."""
         async with self._one_at_a_time:
             if not self.commands.replicas:
                 return UpdateResult(False, "no worker replica is running", self.version)
+            if isinstance(source, GroupSource):
+                return await self._update_from_group(source, version)
             try:
                 committed = await self._apply_command(source, version)
             except UnreadableCheckpointError as error:  # the same answer for every such path; its cause only here
@@ -231,26 +306,123 @@ class WeightCoordinator:
                 return UpdateResult(False, "cannot read the update; the server log has the details", self.version)
             apply = committed.posted
             reports = await self.commands.broadcast(apply.command, seq=apply.seq)
-            failed = {
-                replica: clip(report.message, MAX_REPLICA_MESSAGE_CHARS)
-                for replica, report in reports.items()
-                if not report.ok
-            }
+            failed = _refusals(reports)
             if failed:
                 took = [replica for replica, report in reports.items() if report.ok]
                 await self.commands.broadcast(UndoWeights(apply.seq), only=took)
-                names = ", ".join(f"{replica}: {message}" for replica, message in failed.items())
-                message = f"update refused by {len(failed)} replica(s), undone on the others: {names}"
-                return UpdateResult(False, message, self.version, failed)
-            self.version = apply.command.version
-            self.committed = [c for c in self.committed if not c.superseded_by(committed)] + [committed]
-            self.commands.post(CommitWeights())
+                return UpdateResult(False, _refused("update", failed, "undone on the others"), self.version, failed)
+            self._commit(committed)
             return UpdateResult(True, f"weights {self.version!r} served by {len(reports)} replica(s)", self.version)
+
+    def _commit(self, committed: _Committed) -> None:
+        """Serves `committed`'s version for good, and keeps it for replicas that start later."""
+        self.version = committed.posted.command.version
+        self.committed = [c for c in self.committed if not c.superseded_by(committed)] + [committed]
+        self.commands.post(CommitWeights())
+
+    # Weight-update groups ----------------------------------------------------------------------
+
+    async def init_weight_group(self, address: WeightGroupAddress) -> UpdateResult:
+        """Every live replica joins the trainer's group, replica i (in name order) as rank
+        `rank_offset + i`; all of them or none (the ones that joined leave again)."""
+        async with self._one_at_a_time:
+            replicas = sorted(self.commands.replicas)
+            if address.master_address not in self.allowed_weight_sync_addresses:
+                return UpdateResult(
+                    False,
+                    f"master_address: {clip(address.master_address)!r} is not in the app's allowed_weight_sync_addresses",
+                    self.version,
+                )
+            if address.rank_offset + len(replicas) != address.world_size:
+                return UpdateResult(
+                    False,
+                    f"world_size: must be rank_offset + {len(replicas)} (this server's worker replicas, one rank "
+                    f"each) = {address.rank_offset + len(replicas)}, got {address.world_size}",
+                    self.version,
+                )
+            if address.group_name in self.groups:
+                await self._leave(address.group_name)  # SGLang's init replaces a group of the same name
+            ranks = {replica: address.rank_offset + i for i, replica in enumerate(replicas)}
+            timeout_s = min(address.timeout_s or self.update_timeout_s, self.update_timeout_s)
+            reports = await self.commands.broadcast(JoinWeightGroup(address, ranks, timeout_s))
+            failed = _refusals(reports) | {replica: "left before joining" for replica in set(ranks) - set(reports)}
+            if failed:
+                await self.commands.broadcast(LeaveWeightGroup(address.group_name))
+                return UpdateResult(False, _refused("joining the group", failed, "left by the others"), self.version, failed)
+            self.groups[address.group_name] = ranks
+            return UpdateResult(True, f"{len(ranks)} replica(s) joined group {address.group_name!r}", self.version)
+
+    async def destroy_weight_group(self, group_name: str) -> UpdateResult:
+        async with self._one_at_a_time:
+            if group_name not in self.groups:
+                return UpdateResult(False, f"group_name: no weight-update group {clip(group_name)!r}", self.version)
+            await self._leave(group_name)
+            return UpdateResult(True, f"group {group_name!r} destroyed", self.version)
+
+    async def _leave(self, group_name: str) -> None:
+        self.groups.pop(group_name, None)
+        await self.commands.broadcast(LeaveWeightGroup(group_name))
+
+    async def _update_from_group(self, source: GroupSource, version: str | None) -> UpdateResult:
+        """`update` over a weight-update group. A refusal before the replicas receive anything closes
+        the group, since the trainer's broadcast cannot be taken back; so does a replica lost."""
+        name = source.group_name
+        ranks = self.groups.get(name)
+        if ranks is None:
+            return UpdateResult(False, f"group_name: no weight-update group {clip(name)!r}: init one first", self.version)
+        try:
+            if set(ranks) != set(self.commands.replicas):
+                raise WeightUpdateError(
+                    "group_name", f"the replicas changed since group {name!r} was made, so its broadcast cannot complete"
+                )
+            self._check_group_update(source)
+        except WeightUpdateError as error:
+            await self._leave(name)
+            return UpdateResult(False, f"{error}; group {name!r} is closed: init a new one", self.version)
+        seq = self.commands.next_seq()
+        version = version or f"update-{seq}"
+        copy_by = min(ranks, key=ranks.get)
+        reports = await self.commands.broadcast(ReceiveWeights(seq, version, source, copy_by), seq=seq)
+        failed = _refusals(reports) | {replica: "left during the update" for replica in set(ranks) - set(reports)}
+        took = [replica for replica, report in reports.items() if report.ok]
+        checksums = {replica: reports[replica].result["checksum"] for replica in took}
+        if not failed and len(set(checksums.values())) > 1:
+            failed = {replica: f"serves checksum {checksum}, which others do not" for replica, checksum in checksums.items()}
+        if failed:
+            await self.commands.broadcast(UndoWeights(seq), only=took)
+            lost = len(reports) < len(ranks) or any(report.result == "group closed" for report in reports.values())
+            if lost:
+                await self._leave(name)
+            closed = f"; group {name!r} is closed: init a new one" if lost else ""
+            return UpdateResult(False, _refused("update", failed, "undone on the others") + closed, self.version, failed)
+        # Put here, so owned here: it outlives the replica that received it.
+        copy = await asyncio.to_thread(ray.put, reports[copy_by].result["copy"])
+        args = dict(target_modules=source.target_modules, lora_rank=source.lora_rank, lora_alpha=source.lora_alpha)
+        module = frozenset([single_target(source.target_modules)])
+        full, lora = (frozenset(), module) if source.lora_rank is not None else (module, frozenset())
+        self._commit(_Committed(Posted(seq, ApplyWeights(seq, version, [copy], args)), full, lora))
+        message = f"weights {version!r} served by {len(took)} replica(s), received over group {name!r}"
+        return UpdateResult(True, message, version, checksums=checksums)
+
+    def _check_group_update(self, source: GroupSource) -> None:
+        """The tensors' specs against the layout of the module they are for, as a checkpoint's header
+        is checked: before any replica allocates a byte for them."""
+        module = single_target(source.target_modules)
+        if module not in self.layouts:
+            raise WeightUpdateError("target_modules", f"{clip(module)!r} is not one of {sorted(self.layouts)}")
+        given = {spec.name: TensorLayout(spec.shape, spec.dtype) for spec in source.specs}
+        if len(given) != len(source.specs):
+            raise WeightUpdateError("names", "a tensor is named twice")
+        layout = self.layouts[module]
+        if source.lora_rank is not None:
+            check_lora_config(source.lora_rank, source.lora_alpha, {spec.dtype for spec in source.specs})
+            layout = lora_layout(layout, source.lora_rank, given)
+        check_tensors(f"{module} weights", layout, given, "names")
 
     async def broadcast_command(self, command: Command) -> dict[str, Report]:
         """Runs a command that changes no weights (a checksum, releasing memory) on every live
         replica; their reports by replica."""
-        if isinstance(command, (ApplyWeights, UndoWeights, CommitWeights)):
+        if isinstance(command, (ApplyWeights, UndoWeights, CommitWeights, ReceiveWeights, JoinWeightGroup)):
             raise TypeError("weights change through update(), which keeps every replica on the same weights")
         async with self._one_at_a_time:
             return await self.commands.broadcast(command)
@@ -272,18 +444,29 @@ class WeightCoordinator:
         return _Committed(Posted(seq, ApplyWeights(seq, version, [ref], args)), full, lora)
 
 
+def _refusals(reports: dict[str, Report]) -> dict[str, str]:
+    return {replica: clip(report.message, MAX_REPLICA_MESSAGE_CHARS) for replica, report in reports.items() if not report.ok}
+
+
+def _refused(what: str, failed: dict[str, str], others: str) -> str:
+    names = ", ".join(f"{replica}: {message}" for replica, message in failed.items())
+    return f"{what} refused by {len(failed)} replica(s), {others}: {names}"
+
+
 # A replica's side ------------------------------------------------------------------------------
 
 
 class ServedWeights:
     """A worker replica's weights: the version it serves, the undo of its last apply until that is
-    committed, and the handlers of the weight commands (run on the sampling thread, so `version`
-    never changes during a sampler call)."""
+    committed, the weight-update groups it is in, and the handlers of the weight commands (run on
+    the sampling thread, so `version` never changes during a sampler call)."""
 
-    def __init__(self, pipeline: RolloutPipeline, version: str):
+    def __init__(self, pipeline: RolloutPipeline, version: str, replica: str):
         self.pipeline = pipeline
         self.version = version
+        self.replica = replica
         self._undo: tuple[int, WeightUpdate, str] | None = None  # (apply number, its undo, the version before)
+        self._groups: dict[str, WeightGroup] = {}
 
     def handlers(self) -> dict[type[Command], Any]:
         return {
@@ -291,17 +474,68 @@ class ServedWeights:
             UndoWeights: self.undo,
             CommitWeights: self.commit,
             ChecksumWeights: self.checksum,
+            JoinWeightGroup: self.join_group,
+            ReceiveWeights: self.receive,
+            LeaveWeightGroup: self.leave_group,
         }
 
     def apply(self, command: ApplyWeights, payload: Any) -> Report:
+        if isinstance(payload, PackedTensors):  # an update that came over a group, kept for catching up
+            payload = payload.tensors()
+        return self._applied(command.number, command.version, payload, command.tensor_args)
+
+    def _applied(self, number: int, version: str, payload: Any, tensor_args: dict[str, Any] | None) -> Report:
         try:
-            update = payload if isinstance(payload, WeightUpdate) else tensor_update(payload, **command.tensor_args)
+            update = payload if isinstance(payload, WeightUpdate) else tensor_update(payload, **tensor_args)
             undo = apply_update(self.pipeline.weight_modules, update)
         except WeightUpdateError as error:
             return Report(False, str(error))
-        self._undo = (command.number, undo, self.version)
-        self.version = command.version
+        self._undo = (number, undo, self.version)
+        self.version = version
         return Report(True, f"applied {update.num_bytes() / 2**20:.1f} MiB")
+
+    def join_group(self, command: JoinWeightGroup) -> Report:
+        address = command.address
+        self.leave_group(LeaveWeightGroup(address.group_name))
+        try:
+            self._groups[address.group_name] = WeightGroup.join(
+                address.master_address,
+                address.master_port,
+                command.ranks[self.replica],
+                address.world_size,
+                address.group_name,
+                address.backend,
+                command.timeout_s,
+            )
+        except (KeyError, WeightUpdateError) as error:
+            return Report(False, f"cannot join: {error}")
+        return Report(True, f"rank {command.ranks[self.replica]}")
+
+    def receive(self, command: ReceiveWeights) -> Report:
+        """The trainer's broadcast, applied as `apply` applies tensors; the report's result holds the
+        checksum of the updated module and, from `copy_by`, what arrived."""
+        source = command.source
+        group = self._groups.get(source.group_name)
+        if group is None:
+            return Report(False, f"not in group {source.group_name!r}", result="group closed")
+        try:
+            packed = group.receive(source.specs, source.bucket_bytes)
+        except WeightUpdateError as error:  # the trainer or a peer is gone: the group cannot be used again
+            self.leave_group(LeaveWeightGroup(source.group_name))
+            return Report(False, str(error), result="group closed")
+        args = dict(target_modules=source.target_modules, lora_rank=source.lora_rank, lora_alpha=source.lora_alpha)
+        applied = self._applied(command.number, command.version, packed.tensors(), args)
+        if not applied.ok:
+            return applied
+        module = self.pipeline.weight_modules[single_target(source.target_modules)]
+        copy = packed if self.replica == command.copy_by else None
+        return dataclasses.replace(applied, result={"checksum": weights_checksum(module), "copy": copy})
+
+    def leave_group(self, command: LeaveWeightGroup) -> Report:
+        group = self._groups.pop(command.group_name, None)
+        if group is not None:
+            group.close()
+        return Report(True)
 
     def undo(self, command: UndoWeights) -> Report:
         if self._undo is not None and self._undo[0] == command.undoes:

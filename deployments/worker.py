@@ -102,7 +102,7 @@ class RolloutWorker:
             wait_s=config.batch_wait_timeout_s,
             lone_wait_s=config.batch_lone_wait_s,
         )
-        self.weights = ServedWeights(self.pipeline, config.weight_version)
+        self.weights = ServedWeights(self.pipeline, config.weight_version, self.replica)
         self.memory = MemoryOccupation(self.pipeline)
         self.follower = Follower(
             coordinator,

@@ -284,6 +284,54 @@ class WeightsChecksumRequest(BaseModel):
     module_names: Items[str] | None = Field(None, description="Modules to checksum; None: all.")
 
 
+# The largest bucket a distributed weight update packs by default: vLLM's and verl's size.
+BUCKET_BYTES = 512 * 2**20
+
+
+class InitWeightsUpdateGroupRequest(BaseModel):
+    """`POST /init_weights_update_group`: SGLang's body. Every worker replica joins the trainer's
+    group, replica i as rank `rank_offset + i` (`rollout.weight_sync`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str = Field(max_length=253, description="The trainer's (rank 0's) address: one the app allows.")
+    master_port: int = Field(ge=1, le=65535, description="The port of the trainer's store.")
+    rank_offset: int = Field(ge=1, le=65535, description="The first rank of this server's replicas (the trainer is 0).")
+    world_size: int = Field(ge=2, le=65536, description="Ranks in the group, the trainer's and every replica's.")
+    group_name: str = Field("rollout", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="gloo on CPUs, nccl on GPUs.")
+    timeout_s: float | None = Field(
+        None, gt=0, description="(extension) Seconds a collective may wait for a peer; at most, and by default, "
+        "the app's weight_update_timeout_s.",
+    )
+
+
+class UpdateWeightsFromDistributedRequest(BaseModel):
+    """`POST /update_weights_from_distributed`: SGLang's body (the tensors' names, dtypes and
+    shapes; their bytes come over the group, broadcast by rank 0), the LoRA fields as on the
+    tensor route, and the bucket size the trainer packs with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    names: Items[Annotated[str, Field(max_length=512)]] = Field(max_length=200_000)
+    dtypes: Items[str] = Field(max_length=200_000, description="torch dtype names, as 'bfloat16'.")
+    shapes: Items[Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=8)]] = Field(max_length=200_000)
+    group_name: str = Field("rollout", min_length=1, max_length=128)
+    weight_version: str | None = Field(None, description="Name of the new weights.")
+    target_modules: Items[str] | None = Field(None, description="The one module the tensors are for. Default: transformer.")
+    lora_rank: int | None = Field(None, description="With LoRA tensors: the adapter's rank.")
+    lora_alpha: float | None = Field(None, description="With LoRA tensors: the adapter's alpha.")
+    bucket_bytes: int = Field(BUCKET_BYTES, ge=2**16, le=2**34, description="(extension) Bytes a bucket holds at most.")
+
+
+class DestroyWeightsUpdateGroupRequest(BaseModel):
+    """`POST /destroy_weights_update_group`: SGLang's body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_name: str = Field("rollout", min_length=1, max_length=128)
+
+
 Body = TypeVar("Body", bound=BaseModel)
 
 

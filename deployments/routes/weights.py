@@ -1,5 +1,7 @@
-"""Weights: SGLang's `/update_weights_from_disk`, `/update_weights_from_tensor` and
-`/get_weights_checksum`, and the handle's methods of the same names.
+"""Weights: SGLang's `/update_weights_from_disk`, `/update_weights_from_tensor`,
+`/get_weights_checksum`, and its weight-update group (`/init_weights_update_group`,
+`/update_weights_from_distributed`, `/destroy_weights_update_group`), and the handle's methods of
+the same names.
 
 Needs from the ingress: `bodies` (`BodyReader`) and `coordinator` (the `WeightCoordinator` handle).
 """
@@ -16,17 +18,24 @@ from deployments.weights import (
     MAX_MESSAGE_CHARS,
     ChecksumWeights,
     DiskSource,
+    GroupSource,
     ObjectStoreTensors,
     TensorSource,
     UpdateResult,
+    WeightGroupAddress,
 )
 from rollout.errors import InvalidRequestError, RolloutError, WeightUpdateError, clip
 from rollout.schema import (
+    BUCKET_BYTES,
+    DestroyWeightsUpdateGroupRequest,
+    InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
     WeightsChecksumRequest,
     parse_body,
     parse_tensor_update,
 )
+from rollout.weight_sync import iter_specs
 from rollout.weights import weight_version_problem
 
 logger = logging.getLogger("ray.serve")
@@ -60,13 +69,70 @@ class WeightRoutes:
         source = TensorSource(tensors, target_modules, lora_rank, lora_alpha)
         return _raise_unless_applied(await self._update(source, weight_version))
 
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "rollout",
+        backend: str = "gloo",
+        timeout_s: float | None = None,
+    ) -> UpdateResult:
+        """Handle API: every worker replica joins the trainer's weight-update group (`rollout.weight_sync`);
+        raises `WeightUpdateError` naming the cause."""
+        body = parse_body(InitWeightsUpdateGroupRequest, dict(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend, timeout_s=timeout_s,
+        ))  # fmt: skip
+        return _raise_unless_applied(await self._init_group(body))
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "rollout",
+        weight_version: str | None = None,
+        target_modules: list[str] | None = None,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> UpdateResult:
+        """Handle API: every replica receives the tensors the trainer broadcasts over the group and
+        serves them, all or none; raises `WeightUpdateError` naming the cause."""
+        body = parse_body(UpdateWeightsFromDistributedRequest, dict(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
+            target_modules=target_modules, lora_rank=lora_rank, lora_alpha=lora_alpha, bucket_bytes=bucket_bytes,
+        ))  # fmt: skip
+        return _raise_unless_applied(await self._update(_group_source(body), body.weight_version))
+
+    async def destroy_weights_update_group(self, group_name: str = "rollout") -> UpdateResult:
+        """Handle API: every replica leaves the group."""
+        body = parse_body(DestroyWeightsUpdateGroupRequest, {"group_name": group_name})
+        return _raise_unless_applied(await self.coordinator.destroy_weight_group.remote(body.group_name))
+
+    async def _init_group(self, body: InitWeightsUpdateGroupRequest) -> UpdateResult:
+        address = WeightGroupAddress(
+            body.master_address,
+            body.master_port,
+            body.rank_offset,
+            body.world_size,
+            body.group_name,
+            body.backend,
+            body.timeout_s,
+        )
+        result = await self.coordinator.init_weight_group.remote(address)
+        logger.info("weight-update group: %s", clip(result.message, MAX_MESSAGE_CHARS))
+        return result
+
     async def get_weights_checksum(self, module_names: list[str] | None = None) -> dict[str, dict[str, str]]:
         """Handle API: per replica, the SHA-256 of each module's weights (`rollout.weights.weights_checksum`)."""
         _check_module_names(module_names)
         reports = await self.coordinator.broadcast_command.remote(ChecksumWeights(module_names))
         return {replica: report.result for replica, report in reports.items()}
 
-    async def _update(self, source: DiskSource | TensorSource, weight_version: str | None) -> UpdateResult:
+    async def _update(self, source: DiskSource | TensorSource | GroupSource, weight_version: str | None) -> UpdateResult:
         # Every later row of every client carries the version: checked here, for HTTP and handle alike.
         if weight_version is not None and (problem := weight_version_problem(weight_version)):
             raise InvalidRequestError("weight_version", problem)
@@ -95,6 +161,33 @@ class WeightRoutes:
             return weights_refusal(error)
         return _weights_answer(result)
 
+    @route("POST", "/init_weights_update_group", operator=True)
+    async def http_init_weights_update_group(self, http_request: Request) -> Response:
+        try:
+            body = parse_body(InitWeightsUpdateGroupRequest, await self.bodies.read(http_request))
+            result = await self._init_group(body)
+        except RolloutError as error:
+            return weights_refusal(error)
+        return _weights_answer(result)
+
+    @route("POST", "/update_weights_from_distributed", operator=True)
+    async def http_update_weights_from_distributed(self, http_request: Request) -> Response:
+        try:
+            body = parse_body(UpdateWeightsFromDistributedRequest, await self.bodies.read(http_request))
+            result = await self._update(_group_source(body), body.weight_version)
+        except RolloutError as error:
+            return weights_refusal(error)
+        return _weights_answer(result)
+
+    @route("POST", "/destroy_weights_update_group", operator=True)
+    async def http_destroy_weights_update_group(self, http_request: Request) -> Response:
+        try:
+            body = parse_body(DestroyWeightsUpdateGroupRequest, (await self.bodies.read(http_request)) or {})
+            result = await self.coordinator.destroy_weight_group.remote(body.group_name)
+        except RolloutError as error:
+            return weights_refusal(error)
+        return _weights_answer(result)
+
     @route("POST", "/get_weights_checksum", operator=True)
     async def http_get_weights_checksum(self, http_request: Request) -> Response:
         try:
@@ -119,6 +212,11 @@ def _check_module_names(module_names: list[str] | None) -> None:
         )
 
 
+def _group_source(body: UpdateWeightsFromDistributedRequest) -> GroupSource:
+    specs = tuple(iter_specs(body.names, body.dtypes, body.shapes))
+    return GroupSource(body.group_name, specs, body.bucket_bytes, body.target_modules, body.lora_rank, body.lora_alpha)
+
+
 def _raise_unless_applied(result: UpdateResult) -> UpdateResult:
     if not result.success:
         raise WeightUpdateError("update", result.message)
@@ -130,4 +228,6 @@ def _weights_answer(result: UpdateResult) -> JSONResponse:
     content = {"success": result.success, "message": result.message, "weight_version": result.weight_version}
     if result.failed_replicas:
         content["failed_replicas"] = result.failed_replicas
+    if result.checksums:
+        content["checksums"] = result.checksums
     return JSONResponse(status_code=200 if result.success else 400, content=content)

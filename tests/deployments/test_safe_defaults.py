@@ -81,6 +81,9 @@ OPERATOR_ROUTES = [
     "/update_weights_from_disk",
     "/update_weights_from_tensor",
     "/get_weights_checksum",
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
     "/release_memory_occupation",
     "/resume_memory_occupation",
 ]

@@ -29,7 +29,9 @@ from rollout.errors import InvalidRequestError, WeightUpdateError
 from rollout.models.digits import DEFAULT_WEIGHTS
 from rollout.models.registry import load_pipeline
 from rollout.replay import replay_log_probs, transition_log_probs
+from rollout.weight_sync import WeightSender, handle_server, http_server
 from rollout.weights import apply_update, tensor_update, weights_checksum
+from tests.ports import free_port
 
 APP_NAME = "rollout-weights"
 UNREADABLE = "cannot be read as a checkpoint"  # the one refusal of every checkpoint that cannot be read
@@ -425,3 +427,110 @@ def test_replicas_follow_a_restarted_coordinator(app, base):
         assert time.monotonic() < deadline, "the replicas did not follow the restarted coordinator"
         time.sleep(1)
     assert len(served(app)) == 2
+
+
+# Weight-update groups (rollout.weight_sync): the trainer is rank 0 of a gloo group the replicas join.
+
+
+def group_sender(app, via: str = "http", timeout_s: float = 30.0, bucket_bytes: int = 2**20) -> WeightSender:
+    server = http_server(app.url) if via == "http" else handle_server(app.handle)
+    return WeightSender(server, server_ranks=2, master_port=free_port(), timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+
+
+def test_a_state_dict_and_an_adapter_reach_every_replica_through_the_trainers_group(app, base):
+    full = perturbed(base, seed=11)
+    updated = with_update(base, full)
+    sender = group_sender(app, bucket_bytes=64 * 2**10)  # the embedded transformer's 3 MB: dozens of buckets
+    try:
+        answer = sender.update(full, weight_version="group-1")
+        assert answer["success"] and answer["weight_version"] == "group-1"
+        assert set(answer["checksums"].values()) == {weights_checksum(updated.transformer)}
+        assert set(served(app).values()) == {("group-1", weights_checksum(updated.transformer))}
+        parts, batch = rollout(app, {"prompt": ["1", "8"], "num_outputs_per_prompt": 4, "num_inference_steps": 4})
+        assert len({part.replica for part in parts}) == 2 and {s.weight_version for s in batch.samples} == {"group-1"}
+        assert_replays_exactly(updated, batch)
+    finally:
+        sender.close()
+
+    trainer = copy.deepcopy(updated)
+    trainer.transformer.add_adapter(LoraConfig(r=2, lora_alpha=4, target_modules=["to_q", "to_v"]))
+    with torch.no_grad():
+        for name, parameter in trainer.transformer.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    sender = group_sender(app, via="handle")
+    try:
+        answer = sender.update(get_peft_model_state_dict(trainer.transformer), "group-lora", lora_rank=2, lora_alpha=4)
+    finally:
+        sender.close()
+    assert set(answer["checksums"].values()) == {weights_checksum(trainer.transformer)}
+    _, batch = rollout(app, {"prompt": "5", "num_outputs_per_prompt": 2, "num_inference_steps": 3})
+    assert {s.weight_version for s in batch.samples} == {"group-lora"}
+    assert_replays_exactly(trainer, batch)
+
+
+def test_a_refused_group_update_leaves_every_replica_on_the_old_weights(app, base):
+    before = served(app)
+    sender = group_sender(app)
+    try:
+        # Received by every replica, then refused by each: the group stays up for the next update.
+        with pytest.raises(WeightUpdateError, match=r"update refused by 2 replica\(s\), undone on the others: .*NaN or infinite"):
+            sender.update(with_one_value(perturbed(base, seed=12), float("nan")), weight_version="nan")
+        assert served(app) == before
+        assert sender.update(perturbed(base, seed=13), weight_version="after-nan")["success"]
+        # Refused from its specs, before any replica allocates a byte: the broadcast is given up.
+        started = time.monotonic()
+        wrong = {**perturbed(base, seed=14), "proj_out.weight": torch.zeros(3, 3)}
+        with pytest.raises(WeightUpdateError, match="names: transformer weights: proj_out.weight has shape .*closed"):
+            sender.update(wrong, weight_version="wrong-shape")
+        assert time.monotonic() - started < 10  # not the group's 30 s timeout
+    finally:
+        sender.group.close()
+    assert {version for version, _ in served(app).values()} == {"after-nan"}
+
+
+def test_a_trainer_gone_mid_update_times_out_closes_the_group_and_sampling_goes_on(app, base, http):
+    sender = group_sender(app, timeout_s=2)
+    state = perturbed(base, seed=15)
+    body = {
+        "names": list(state),
+        "dtypes": [str(t.dtype).removeprefix("torch.") for t in state.values()],
+        "shapes": [list(t.shape) for t in state.values()],
+        "weight_version": "never",
+    }
+    sender.group.close()  # the trainer is gone: nothing is broadcast
+    response = http.post(f"{app.url}/update_weights_from_distributed", json=body, timeout=60)
+    assert response.status_code == 400
+    assert "the broadcast of bucket 1 failed" in response.json()["message"] and "is closed" in response.json()["message"]
+    assert {version for version, _ in served(app).values()} == {"base"}
+    _, batch = rollout(app, {"prompt": "2", "num_inference_steps": 2})
+    assert {s.weight_version for s in batch.samples} == {"base"}
+    again = http.post(f"{app.url}/update_weights_from_distributed", json=body, timeout=60).json()
+    assert not again["success"] and "no weight-update group 'rollout'" in again["message"]
+
+
+def test_a_group_refuses_an_address_the_app_does_not_allow_and_a_world_of_another_size(app, http):
+    body = {"master_address": "10.1.2.3", "master_port": free_port(), "rank_offset": 1, "world_size": 3}
+    answer = http.post(f"{app.url}/init_weights_update_group", json=body).json()
+    assert not answer["success"] and "master_address: '10.1.2.3' is not in the app's allowed_weight_sync_addresses" in answer["message"]
+    answer = http.post(f"{app.url}/init_weights_update_group", json={**body, "master_address": "127.0.0.1", "world_size": 4}).json()
+    assert not answer["success"] and "world_size: must be rank_offset + 2" in answer["message"]
+
+
+def test_a_replica_that_restarts_after_a_group_update_catches_up_from_the_coordinators_copy(app, base):
+    updated = with_update(base, perturbed(base, seed=16))
+    sender = group_sender(app)
+    try:
+        sender.update(perturbed(base, seed=16), weight_version="group-16")
+    finally:
+        sender.close()
+    workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if f"{APP_NAME}:RolloutWorker" in a.class_name]
+    ray.kill(ray.get_actor(workers[0].name, namespace="serve"))
+    deadline = time.monotonic() + 120
+    while True:
+        now = served(app)
+        if len(now) == 2 and workers[0].name.split("#")[-1] not in now:
+            break
+        assert time.monotonic() < deadline, now
+        time.sleep(1)
+    assert set(now.values()) == {("group-16", weights_checksum(updated.transformer))}

@@ -1,0 +1,396 @@
+"""Weights from a trainer to every worker replica over one process group (SGLang's weight-update
+group): a collective broadcast in flat buckets, instead of the object store.
+
+The trainer is rank 0 of a `torch.distributed` group (gloo on the CPU, NCCL on GPUs) that every
+worker replica joins (`deployments/weights.py`). An update is the tensors' names, dtypes and shapes,
+sent to the server as a request, and their bytes, broadcast from rank 0 in buckets: a bucket is one
+flat byte buffer holding whole tensors back to back (`buckets_of`), and costs one collective. A
+sender packs the next bucket while the last one is on the wire; a receiver posts the next bucket's
+broadcast before it unpacks the one it holds.
+
+A group is built from a `TCPStore` and a process group object of its own, never with
+`init_process_group`: a trainer keeps its own default group (FSDP, DDP), and a replica joins and
+leaves groups without touching global state. Every collective has the group's timeout, so a peer
+that dies mid-broadcast fails the others' call instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rollout.errors import WeightUpdateError
+from rollout.schema import BUCKET_BYTES
+
+# How often a sender asks whether the server gave up the update while a bucket is on the wire.
+_POLL = datetime.timedelta(seconds=0.1)
+BACKENDS = ("gloo", "nccl")
+# The dtypes a weight travels in, by SGLang's names (`update_weights_from_distributed`'s `dtypes`).
+DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of an update as the request names it: what a receiver allocates and checks."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
+        return cls(name, tensor.dtype, tuple(tensor.shape))
+
+
+def specs_of(named_tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
+    return [TensorSpec.of(name, tensor) for name, tensor in named_tensors.items()]
+
+
+def iter_specs(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> Iterator[TensorSpec]:
+    """SGLang's three parallel lists (`update_weights_from_distributed`) as specs; raises
+    `WeightUpdateError` naming the field."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise WeightUpdateError(
+            "names", f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}"
+        )
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        if dtype not in DTYPES:
+            raise WeightUpdateError("dtypes", f"{name}: {dtype!r} is not one of {sorted(DTYPES)}")
+        if any(size < 0 for size in shape):
+            raise WeightUpdateError("shapes", f"{name}: sizes must not be negative, got {list(shape)}")
+        yield TensorSpec(name, DTYPES[dtype], tuple(int(size) for size in shape))
+
+
+# Where a tensor starts in its bucket: a multiple of this many bytes, so that each one is a view of
+# the bucket in its own dtype (a view needs an offset its element size divides).
+_ALIGNMENT = 16
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+
+
+def bucket_nbytes(bucket: Sequence[TensorSpec]) -> int:
+    """The bytes of a bucket's buffer: its tensors, each starting at an aligned offset."""
+    return sum(_aligned(spec.nbytes) for spec in bucket)
+
+
+def buckets_of(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[tuple[TensorSpec, ...]]:
+    """`specs` in order, cut into buckets whose buffers (`bucket_nbytes`) take at most `bucket_bytes`;
+    a tensor larger than that is a bucket of its own (tensors are never split, so a bucket unpacks
+    into whole tensors)."""
+    if bucket_bytes < 1:
+        raise WeightUpdateError("bucket_bytes", f"must be at least 1, got {bucket_bytes}")
+    buckets: list[tuple[TensorSpec, ...]] = []
+    current: list[TensorSpec] = []
+    size = 0
+    for spec in specs:
+        if current and size + _aligned(spec.nbytes) > bucket_bytes:
+            buckets.append(tuple(current))
+            current, size = [], 0
+        current.append(spec)
+        size += _aligned(spec.nbytes)
+    if current:
+        buckets.append(tuple(current))
+    return buckets
+
+
+def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors' bytes in one flat uint8 buffer on `device`, each at an aligned offset."""
+    flat = [t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    buffer = torch.zeros(sum(_aligned(t.numel()) for t in flat), dtype=torch.uint8, device=device)
+    offset = 0
+    for t in flat:
+        buffer[offset : offset + t.numel()] = t
+        offset += _aligned(t.numel())
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
+    """Inverse of `pack`: each tensor a view of `buffer` (no copy), by name."""
+    tensors, offset = {}, 0
+    for spec in specs:
+        tensors[spec.name] = buffer[offset : offset + spec.nbytes].view(spec.dtype).reshape(spec.shape)
+        offset += _aligned(spec.nbytes)
+    if offset != buffer.numel():
+        raise WeightUpdateError("shapes", f"the tensors take {offset} bytes, their bucket holds {buffer.numel()}")
+    return tensors
+
+
+@dataclass(frozen=True)
+class PackedTensors:
+    """An update's tensors as they arrived: its buckets' specs and byte buffers (numpy, so that Ray's
+    object store holds them out of band: a replica that starts later catches up from them)."""
+
+    buckets: tuple[tuple[TensorSpec, ...], ...]
+    buffers: tuple[np.ndarray, ...]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        named: dict[str, torch.Tensor] = {}
+        for specs, buffer in zip(self.buckets, self.buffers, strict=True):
+            named.update(unpack(torch.from_numpy(buffer), specs))
+        return named
+
+    def num_bytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self.buffers)
+
+
+class WeightGroup:
+    """One rank's end of a weight-update group: rank 0 sends, every other rank receives."""
+
+    def __init__(self, process_group: Any, rank: int, world_size: int, device: torch.device, name: str):
+        self._group = process_group
+        self.rank, self.world_size, self.device, self.name = rank, world_size, device, name
+
+    @classmethod
+    def join(
+        cls,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
+    ) -> "WeightGroup":
+        """Joins (rank 0: creates) the group whose store listens at `master_address:master_port`;
+        returns once all `world_size` ranks have joined, or raises `WeightUpdateError` after
+        `timeout_s`."""
+        if backend not in BACKENDS:
+            raise WeightUpdateError("backend", f"must be one of {list(BACKENDS)}, got {backend!r}")
+        if not 0 <= rank < world_size:
+            raise WeightUpdateError("rank_offset", f"rank {rank} is outside a world of {world_size}")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(
+                master_address, master_port, world_size, rank == 0, timeout=timeout, wait_for_workers=False
+            )
+            store = dist.PrefixStore(f"rollout-weights/{group_name}", store)
+            if backend == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+                group = dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
+            else:
+                device = torch.device("cpu")
+                group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            # A first collective: every rank is there before anyone is told the group is up.
+            group.barrier().wait()
+        except (RuntimeError, ValueError, OSError) as error:
+            raise WeightUpdateError(
+                "master_address", f"cannot join weight-update group {group_name!r} as rank {rank}: {error}"
+            ) from None
+        return cls(group, rank, world_size, device, group_name)
+
+    def send(
+        self,
+        named_tensors: Mapping[str, torch.Tensor],
+        bucket_bytes: int = BUCKET_BYTES,
+        given_up: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Rank 0: broadcasts the tensors, bucket after bucket, in `specs_of(named_tensors)`'s order.
+
+        `given_up` is asked while a bucket is on the wire: once it is true (the server refused the
+        update, so no replica will receive it), the group is aborted and `WeightUpdateError` raised,
+        rather than waiting for receivers that will never come."""
+        if self.rank != 0:
+            raise WeightUpdateError("rank", "only rank 0 (the trainer) sends")
+        in_flight = None
+        for bucket in buckets_of(specs_of(named_tensors), bucket_bytes):
+            buffer = pack([named_tensors[spec.name] for spec in bucket], self.device)  # while the last one travels
+            if in_flight is not None:
+                self._finish(in_flight, given_up)
+            in_flight = self._broadcast(buffer)
+        if in_flight is not None:
+            self._finish(in_flight, given_up)
+
+    def _finish(self, work: Any, given_up: Callable[[], bool]) -> None:
+        while not work.is_completed():
+            if given_up():
+                self.close()
+                raise WeightUpdateError("group_name", f"the broadcast was given up; group {self.name!r} is closed")
+            try:
+                work.wait(_POLL)
+            except RuntimeError as error:
+                if "timed out" not in str(error).lower():
+                    raise WeightUpdateError("group_name", f"the broadcast failed: {error}") from None
+        work.wait()  # raises what the collective met, if anything
+
+    def receive(self, specs: Sequence[TensorSpec], bucket_bytes: int = BUCKET_BYTES) -> PackedTensors:
+        """A rank after 0: the tensors rank 0 sends for `specs` (in that order), as they arrived;
+        raises `WeightUpdateError` if a broadcast fails (rank 0 gone, or past the timeout)."""
+        buckets = buckets_of(specs, bucket_bytes)
+        buffers = [self._empty(bucket) for bucket in buckets]
+        posted = [self._broadcast(buffers[0])] if buffers else []
+        for k, bucket in enumerate(buckets):
+            if k + 1 < len(buckets):  # the next bucket on the wire while this one is unpacked
+                posted.append(self._broadcast(buffers[k + 1]))
+            try:
+                posted[k].wait()
+            except RuntimeError as error:
+                raise WeightUpdateError("group_name", f"the broadcast of bucket {k + 1} failed: {error}") from None
+            unpack(buffers[k], bucket)  # checks that the bucket is exactly its tensors
+        return PackedTensors(tuple(buckets), tuple(buffer.cpu().numpy() for buffer in buffers))
+
+    def close(self) -> None:
+        """Leaves the group (its other ranks' next collective fails); safe to call twice."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.abort()  # ends a broadcast still waiting for its peers
+
+    def _empty(self, bucket: tuple[TensorSpec, ...]) -> torch.Tensor:
+        return torch.empty(bucket_nbytes(bucket), dtype=torch.uint8, device=self.device)
+
+    def _broadcast(self, buffer: torch.Tensor):
+        if self._group is None:
+            raise WeightUpdateError("group_name", f"weight-update group {self.name!r} is closed")
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        return self._group.broadcast([buffer], options)
+
+
+# The trainer's side ------------------------------------------------------------------------------
+
+# How a trainer reaches the server: `call(route, body)` answers SGLang's route `route` (its name,
+# e.g. "update_weights_from_distributed") with `body`, as a dict, or raises `WeightUpdateError`.
+ServerCall = Callable[[str, dict], dict]
+
+
+def http_server(url: str, token: str | None = None, timeout_s: float = 600.0) -> ServerCall:
+    """The server at `url` (`http://host:port`) over HTTP, with its operator token if it has one."""
+    import requests  # only a trainer that talks HTTP needs it
+
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+
+    def call(route: str, body: dict) -> dict:
+        response = requests.post(f"{url.rstrip('/')}/{route}", json=body, headers=headers, timeout=timeout_s)
+        answer = response.json()
+        if response.status_code != 200 or not answer.get("success", True):
+            raise WeightUpdateError(route, answer.get("message") or answer.get("detail") or str(answer))
+        return answer
+
+    return call
+
+
+class WeightSender:
+    """The trainer's end of a weight-update group with one server: it creates the group as rank 0,
+    has the server's replicas join it, and broadcasts each update while the server receives it.
+
+        sender = WeightSender(http_server("http://127.0.0.1:8000"), server_ranks=2, master_port=29600)
+        sender.update(model.state_dict(), weight_version="step-1")   # or a PEFT adapter, with lora_rank/alpha
+        sender.close()
+
+    `server_ranks` is the number of the server's worker replicas (`/rollout/info`'s
+    `replica_weight_versions`); `master_address` is this trainer's address as the replicas reach it.
+    """
+
+    def __init__(
+        self,
+        server: ServerCall,
+        server_ranks: int,
+        master_port: int,
+        master_address: str = "127.0.0.1",
+        group_name: str = "rollout",
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
+        bucket_bytes: int = BUCKET_BYTES,
+    ):
+        self.server, self.group_name, self.bucket_bytes = server, group_name, bucket_bytes
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": 1,
+            "world_size": 1 + server_ranks,
+            "group_name": group_name,
+            "backend": backend,
+            "timeout_s": timeout_s,
+        }
+        joined: dict[str, Any] = {}
+        server_side = threading.Thread(target=_into, args=(joined, lambda: server("init_weights_update_group", body)))
+        server_side.start()
+        try:
+            self.group = WeightGroup.join(master_address, master_port, 0, 1 + server_ranks, group_name, backend, timeout_s)
+        finally:
+            server_side.join()
+        if "error" in joined:
+            self.group.close()
+            raise joined["error"]
+
+    def update(
+        self,
+        named_tensors: Mapping[str, torch.Tensor],
+        weight_version: str | None = None,
+        target_modules: Sequence[str] | None = None,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
+    ) -> dict:
+        """Sends the tensors to every replica; returns the server's answer (`success`, `message`,
+        `weight_version`, and each replica's checksum of what it serves now), or raises
+        `WeightUpdateError` with the server's reason (every replica then keeps its old weights)."""
+        specs = specs_of(named_tensors)
+        body = {
+            "names": [spec.name for spec in specs],
+            "dtypes": [str(spec.dtype).removeprefix("torch.") for spec in specs],
+            "shapes": [list(spec.shape) for spec in specs],
+            "group_name": self.group_name,
+            "weight_version": weight_version,
+            "target_modules": None if target_modules is None else list(target_modules),
+            "lora_rank": lora_rank,
+            "lora_alpha": lora_alpha,
+            "bucket_bytes": self.bucket_bytes,
+        }
+        answered: dict[str, Any] = {}
+        server_side = threading.Thread(
+            target=_into, args=(answered, lambda: self.server("update_weights_from_distributed", body))
+        )
+        server_side.start()
+        sent = None
+        try:
+            self.group.send(named_tensors, self.bucket_bytes, given_up=lambda: "error" in answered)
+        except WeightUpdateError as failure:
+            sent = failure
+        finally:
+            server_side.join()
+        if "error" in answered:  # the server's reason, which says whether the group is still up
+            raise answered["error"]
+        if sent is not None:  # served by the replicas that received it; a rank of this group is gone
+            self.group.close()
+        return answered["answer"]
+
+    def close(self) -> None:
+        """Has the replicas leave the group, and leaves it."""
+        try:
+            self.server("destroy_weights_update_group", {"group_name": self.group_name})
+        finally:
+            self.group.close()
+
+
+def handle_server(handle: Any) -> ServerCall:
+    """The server behind a Serve handle of its ingress: the route's handle twin, its answer as a dict."""
+
+    def call(route: str, body: dict) -> dict:
+        answer = getattr(handle, route).remote(**body).result()
+        return answer if isinstance(answer, dict) else dataclasses.asdict(answer)
+
+    return call
+
+
+def _into(box: dict, call: Callable[[], dict]) -> None:
+    try:
+        box["answer"] = call()
+    except Exception as error:  # handed to the trainer's thread, which raises it
+        box["error"] = error
