@@ -1,19 +1,20 @@
-"""Time to push new weights to every worker replica through the object store.
+"""Time to push new weights to every worker replica: through the object store, and over a
+weight-update group (`rollout.weight_sync`), in alternating rounds on the same application.
 
     python -m benchmarks.weight_sync --output docs/weight_sync.md
 
 For each size (about 10 MB, 100 MB and 1 GB of fp32 transformer weights), serves a model of the
 embedded architecture scaled to that size (random weights, saved to a temporary directory) on
-2 worker replicas, then, `--repeats` times:
-- puts a state dict of random tensors with the transformer's names and shapes (`ray.put`, once);
-- times `handle.update_weights_from_tensor(ObjectStoreTensors(ref))`, which returns when both
-  replicas serve the new weights (each fetches the tensors, checks them, keeps an undo copy and
-  writes them into its model);
-- times one `ray.get` of the same object in another process on this node (an actor, warm):
-  what a single replica's fetch costs.
-after one warm-up round that is not counted.
-The ratio update / get says what the broadcast, the checks and the copies add to one fetch.
-Prints one JSON line per size and writes a markdown table.
+2 worker replicas, has them join a gloo group with this process as rank 0 (timed once), then
+`--repeats` rounds of each path, alternating, after one warm-up round of each that is not counted:
+- object store: `ray.put` of a state dict of random tensors with the transformer's names and
+  shapes, then `handle.update_weights_from_tensor(ObjectStoreTensors(ref))`;
+- group: `WeightSender.update(state_dict)`, which posts the update through the handle while it
+  broadcasts the tensors in 512 MiB buckets.
+Each is timed from the trainer's call to its return, when both replicas serve the new weights
+(each has checked them, kept an undo copy and written them; over the group, one replica has also
+handed what arrived to the coordinator, which keeps it for replicas that start later). Prints one
+JSON line per size and writes a markdown table.
 """
 
 from __future__ import annotations
@@ -33,19 +34,27 @@ from ray import serve
 
 from deployments.app import build_app
 from deployments.weights import ObjectStoreTensors
+from rollout.models.choice import EMBEDDED_MODEL
 from rollout.models.digits import IMAGE_SIZE, DigitFlowPipeline, DigitPromptEncoder
+from rollout.weight_sync import WeightSender, handle_server
+from tests.ports import free_port
 
 NOTES = """
 Reading the table:
-- An update returns when both replicas serve the new weights. Each replica fetches the tensors
-  from the object store (deserialising a copy), checks names, shapes and dtypes, keeps a copy of
-  the weights it replaces (to undo the update if another replica refuses it) and writes the new
-  ones; the two replicas do this at the same time, on this machine's 2 cores. Small updates
-  are dominated by the fixed cost of the round (about 40 ms: the command, both replicas'
-  reports, the commit).
-- One ray.get is one warm process fetching the same object, just before the update, so it is
-  the object's first reader; the replicas read it after. Fetch times of large objects vary
-  several-fold from run to run here, which is why both columns list every run.
+- Both columns are the trainer's own time: from its call to the moment both replicas serve the new
+  weights. Through the object store that is its `ray.put` (pickling a state dict of torch tensors
+  into shared memory) and the update, in which each replica fetches and deserialises a copy; over
+  the group it is the broadcast of flat buckets straight into each replica's receive buffers, and
+  on each replica the same checks, undo copy and writes, then a SHA-256 checksum of the module it
+  serves (in the answer). One replica also puts what arrived in the object store, for a replica
+  that starts later ("kept").
+- On this machine the group is not faster. Gloo's transport is TCP, so on one node each receiver's
+  bytes are copied through the kernel twice, where the object store copies through shared memory;
+  the trainer, both replicas and the copies share 2 cores; and the group does work the object-store
+  path does not: each replica's checksum (about 1.4 s per GB here), the kept copy. The group is
+  for what this machine cannot show: NCCL on GPUs (no copy through host memory, no pickling), and
+  a trainer on another node without Ray (no `ray.put`, no object store on its side).
+- Joining the group is paid once per trainer (the init column), not per update.
 """
 
 # (layers, attention heads of 64) of the embedded architecture, for about 10 MB, 100 MB, 1 GB.
@@ -70,17 +79,7 @@ def scaled_pipeline(layers: int, heads: int) -> DigitFlowPipeline:
     return DigitFlowPipeline(transformer, encoder, FlowMatchEulerDiscreteScheduler())
 
 
-@ray.remote(num_cpus=0)
-class Fetcher:
-    """A process of its own on this node, started once, that fetches an object like a replica does."""
-
-    def timed_get(self, refs: list) -> float:
-        start = time.perf_counter()
-        ray.get(refs[0])
-        return time.perf_counter() - start
-
-
-def measure(name: str, layers: int, heads: int, repeats: int, directory: Path, fetcher) -> dict:
+def measure(name: str, layers: int, heads: int, repeats: int, directory: Path) -> dict:
     pipeline = scaled_pipeline(layers, heads)
     pipeline.save_pretrained(directory / name, weights_dtype=torch.float32)
     shapes = {key: t.shape for key, t in pipeline.transformer.state_dict().items()}
@@ -88,37 +87,49 @@ def measure(name: str, layers: int, heads: int, repeats: int, directory: Path, f
     del pipeline
     app = f"weight-sync-{layers}x{heads}"
     config = {"app_name": app, "num_worker_replicas": 2, "worker_torch_threads": 1}
-    config["model"] = {"path": str(directory / name)}
+    config["model"] = {"name": EMBEDDED_MODEL, "path": str(directory / name)}
     handle = serve.run(build_app(config), name=app, route_prefix=f"/{app}")
-    update_s, get_s, put_s = [], [], []
-    for repeat in range(-1, repeats):  # -1: a warm-up, not counted
-        state_dict = {key: torch.randn(shape) for key, shape in shapes.items()}
-        start = time.perf_counter()
-        ref = ray.put(state_dict)
-        put_s.append(time.perf_counter() - start)
-        del state_dict
-        get_s.append(ray.get(fetcher.timed_get.remote([ref])))
-        start = time.perf_counter()
-        result = handle.update_weights_from_tensor.remote(ObjectStoreTensors(ref), weight_version=f"{repeat}").result()
-        update_s.append(time.perf_counter() - start)
-        assert result.success, result.message
-        del ref
-        if repeat < 0:
-            update_s, get_s, put_s = [], [], []
+    start = time.perf_counter()
+    sender = WeightSender(handle_server(handle), server_ranks=2, master_port=free_port())
+    init_s = time.perf_counter() - start
+
+    def through_the_object_store(state_dict: dict, version: str):
+        result = handle.update_weights_from_tensor.remote(ObjectStoreTensors(ray.put(state_dict)), weight_version=version)
+        assert result.result().success
+
+    group_messages = []
+
+    def over_the_group(state_dict: dict, version: str):
+        answer = sender.update(state_dict, weight_version=version)
+        assert answer["success"]
+        group_messages.append(answer["message"])
+
+    paths = {"object_store": through_the_object_store, "group": over_the_group}
+    times: dict[str, list[float]] = {path: [] for path in paths}
+    for repeat in range(-1, repeats):  # -1: a warm-up of each, not counted
+        for path, update in paths.items():
+            state_dict = {key: torch.randn(shape) for key, shape in shapes.items()}
+            start = time.perf_counter()
+            update(state_dict, f"{path}-{repeat}")
+            if repeat >= 0:
+                times[path].append(time.perf_counter() - start)
+            del state_dict
     served = handle.info.remote().result()["replica_weight_versions"]
-    assert len(served) == 2 and set(served.values()) == {str(repeats - 1)}, served
+    assert len(served) == 2 and set(served.values()) == {f"group-{repeats - 1}"}, served
+    sender.close()
     serve.delete(app)
-    update, get = statistics.median(update_s), statistics.median(get_s)
+    object_store, group = (statistics.median(times[path]) for path in paths)
     return {
         "size": name,
         "mib": round(num_bytes / 2**20, 1),
         "tensors": len(shapes),
-        "put_s": round(statistics.median(put_s), 3),
-        "update_s": round(update, 3),
-        "get_s": round(get, 3),
-        "update_vs_get": round(update / get, 2),
-        "update_runs_s": [round(t, 3) for t in update_s],
-        "get_runs_s": [round(t, 3) for t in get_s],
+        "init_s": round(init_s, 3),
+        "object_store_s": round(object_store, 3),
+        "group_s": round(group, 3),
+        "speedup": round(object_store / group, 2),
+        "object_store_runs_s": [round(t, 3) for t in times["object_store"]],
+        "group_runs_s": [round(t, 3) for t in times["group"]],
+        "last_group_update": group_messages[-1],  # each replica's stage times
     }
 
 
@@ -130,18 +141,20 @@ def markdown(results: list[dict], repeats: int) -> str:
         f"Machine: {platform.machine()}, {torch.get_num_threads()} cores, "
         f"torch {torch.__version__}, ray {ray.__version__}.  ",
         f"2 worker replicas on this node; median of {repeats} updates of random fp32 tensors shaped like the "
-        "scaled transformer's.",
+        "scaled transformer's, each path in turn.",
         "",
-        "| size | tensors | ray.put (s) | update, both replicas (s) | one ray.get (s) | update / get "
-        "| updates (s) | gets (s) |",
+        "| size | tensors | object store: put + update (s) | group: broadcast + update (s) | group / object store "
+        "| group init, once (s) | object store runs (s) | group runs (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        updates, gets = (", ".join(map(str, r[key])) for key in ("update_runs_s", "get_runs_s"))
+        store_runs, group_runs = (", ".join(map(str, r[key])) for key in ("object_store_runs_s", "group_runs_s"))
         lines.append(
-            f"| {r['mib']} MiB | {r['tensors']} | {r['put_s']} | {r['update_s']} | {r['get_s']} | "
-            f"{r['update_vs_get']}x | {updates} | {gets} |"
+            f"| {r['mib']} MiB | {r['tensors']} | {r['object_store_s']} | {r['group_s']} | {r['speedup']}x faster | "
+            f"{r['init_s']} | {store_runs} | {group_runs} |"
         )
+    lines += ["", "Each replica's stages in the last update over the group, as its answer gives them:", ""]
+    lines += [f"- {r['mib']} MiB: {r['last_group_update']}" for r in results]
     return "\n".join(lines) + "\n" + NOTES
 
 
@@ -153,13 +166,11 @@ def main() -> None:
     args = parser.parse_args()
 
     ray.init(include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": 8126})
-    fetcher = Fetcher.remote()
-    ray.get(fetcher.timed_get.remote([ray.put(torch.zeros(1))]))  # started, torch imported
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     results = []
     with tempfile.TemporaryDirectory() as directory:
         for name in args.sizes:
-            results.append(measure(name, *SIZES[name], args.repeats, Path(directory), fetcher))
+            results.append(measure(name, *SIZES[name], args.repeats, Path(directory)))
             print(json.dumps(results[-1]), flush=True)
     serve.shutdown()
     ray.shutdown()

@@ -12,8 +12,8 @@ The weights themselves travel through Ray's object store (a trainer's `ray.put` 
 fetched by each replica from wherever it lives, a checkpoint is read once, here, and put once), or
 over a weight-update group (`rollout.weight_sync`): every replica joins the trainer's process group
 (`JoinWeightGroup`), and an update is a `ReceiveWeights` command that each replica runs while the
-trainer broadcasts, then applies and checksums; one replica hands what arrived back in its report,
-which this coordinator puts in the object store (so owns), for a replica starting later to catch up.
+trainer broadcasts, then applies and checksums; one replica puts what arrived in the object store,
+and this coordinator copies it to own it, for a replica starting later to catch up.
 The coordinator also broadcasts the commands of other concerns that every replica must run
 (`deployments/memory.py`'s); what it keeps is only the weights' history.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,7 @@ class GroupSource:
     target_modules: list[str] | None = None
     lora_rank: int | None = None
     lora_alpha: float | None = None
+    checksum: str | None = None  # the trainer's weights_checksum of the module after the update
 
 
 @dataclass(frozen=True)
@@ -180,8 +182,8 @@ class JoinWeightGroup(Command):
 @dataclass(frozen=True)
 class ReceiveWeights(Command):
     """Receive the tensors the trainer broadcasts over the group, then serve them under `version`
-    as `ApplyWeights` would (`number` names it for its undo); `copy_by` hands what arrived back in
-    its report, for replicas that start later."""
+    as `ApplyWeights` would (`number` names it for its undo); `copy_by` puts what arrived in the
+    object store and hands back its reference, for replicas that start later."""
 
     number: int
     version: str
@@ -239,6 +241,7 @@ class WeightCoordinator:
         self.update_timeout_s = update_timeout_s
         self.commands = CommandLog(update_timeout_s)
         self.groups: dict[str, dict[str, int]] = {}  # weight-update group -> its replicas' ranks
+        self._owning: asyncio.Task | None = None  # the copy of the last group update being made ours
         self.committed: list[_Committed] = []
         self.served: dict[str, str] = {}  # replica -> the version it last reported
         # The modules that hold weights and their weights' layout, as the replicas name them: what a
@@ -260,6 +263,8 @@ class WeightCoordinator:
         which has lost its history, takes the version the replicas serve.
         """
         async with self._one_at_a_time:
+            if self._owning is not None:  # a starting replica catches up from a copy this coordinator owns
+                await self._owning
             if not self.committed and not self.commands.log:
                 self.version = version
             self.layouts = layouts
@@ -386,6 +391,12 @@ class WeightCoordinator:
         failed = _refusals(reports) | {replica: "left during the update" for replica in set(ranks) - set(reports)}
         took = [replica for replica, report in reports.items() if report.ok]
         checksums = {replica: reports[replica].result["checksum"] for replica in took}
+        if not failed and source.checksum is not None:
+            failed = {
+                replica: f"serves checksum {checksum}, not the trainer's {source.checksum}"
+                for replica, checksum in checksums.items()
+                if checksum != source.checksum
+            }
         if not failed and len(set(checksums.values())) > 1:
             failed = {replica: f"serves checksum {checksum}, which others do not" for replica, checksum in checksums.items()}
         if failed:
@@ -395,14 +406,29 @@ class WeightCoordinator:
                 await self._leave(name)
             closed = f"; group {name!r} is closed: init a new one" if lost else ""
             return UpdateResult(False, _refused("update", failed, "undone on the others") + closed, self.version, failed)
-        # Put here, so owned here: it outlives the replica that received it.
-        copy = await asyncio.to_thread(ray.put, reports[copy_by].result["copy"])
         args = dict(target_modules=source.target_modules, lora_rank=source.lora_rank, lora_alpha=source.lora_alpha)
         module = frozenset([single_target(source.target_modules)])
         full, lora = (frozenset(), module) if source.lora_rank is not None else (module, frozenset())
-        self._commit(_Committed(Posted(seq, ApplyWeights(seq, version, [copy], args)), full, lora))
-        message = f"weights {version!r} served by {len(took)} replica(s), received over group {name!r}"
+        copy = reports[copy_by].result["copy"]  # put by the replica that received it, so owned by it
+        committed = _Committed(Posted(seq, ApplyWeights(seq, version, [copy], args)), full, lora)
+        self._commit(committed)
+        # Owned here once copied here, it outlives that replica; meanwhile the trainer has its answer.
+        self._owning = asyncio.create_task(self._own_copy(committed))
+        stages = "; ".join(f"{replica}: {reports[replica].message}" for replica in took)
+        message = f"weights {version!r} served by {len(took)} replica(s), received over group {name!r} ({stages})"
         return UpdateResult(True, message, version, checksums=checksums)
+
+    async def _own_copy(self, committed: _Committed) -> None:
+        """Replaces `committed`'s tensors, owned by the replica that put them, by a copy put here."""
+        apply = committed.posted.command
+        try:
+            owned = await asyncio.to_thread(lambda: ray.put(ray.get(apply.update[0])))
+        except Exception:  # that replica died before the copy was made: later replicas cannot catch up from it
+            logger.exception("keeping the weights of update %r for replicas that start later failed", apply.version)
+            return
+        if committed in self.committed:  # not superseded meanwhile
+            kept = dataclasses.replace(committed, posted=Posted(committed.posted.seq, dataclasses.replace(apply, update=[owned])))
+            self.committed[self.committed.index(committed)] = kept
 
     def _check_group_update(self, source: GroupSource) -> None:
         """The tensors' specs against the layout of the module they are for, as a checkpoint's header
@@ -442,6 +468,22 @@ class WeightCoordinator:
         module = frozenset([(source.target_modules or [DEFAULT_TARGET_MODULE])[0]])
         full, lora = (frozenset(), module) if source.lora_rank is not None else (module, frozenset())
         return _Committed(Posted(seq, ApplyWeights(seq, version, [ref], args)), full, lora)
+
+
+class _Stages:
+    """How long each stage of a replica's part of an update took, in its report's words."""
+
+    def __init__(self):
+        self._since = time.perf_counter()
+        self._took: list[str] = []
+
+    def done(self, stage: str) -> None:
+        now = time.perf_counter()
+        self._took.append(f"{stage} in {now - self._since:.2f} s")
+        self._since = now
+
+    def __str__(self) -> str:
+        return ", ".join(self._took)
 
 
 def _refusals(reports: dict[str, Report]) -> dict[str, str]:
@@ -513,23 +555,32 @@ class ServedWeights:
 
     def receive(self, command: ReceiveWeights) -> Report:
         """The trainer's broadcast, applied as `apply` applies tensors; the report's result holds the
-        checksum of the updated module and, from `copy_by`, what arrived."""
+        checksum of the updated module and, from `copy_by`, what arrived, in the object store. Its
+        message says how long each stage took."""
         source = command.source
         group = self._groups.get(source.group_name)
         if group is None:
             return Report(False, f"not in group {source.group_name!r}", result="group closed")
+        stages = _Stages()
         try:
             packed = group.receive(source.specs, source.bucket_bytes)
         except WeightUpdateError as error:  # the trainer or a peer is gone: the group cannot be used again
             self.leave_group(LeaveWeightGroup(source.group_name))
             return Report(False, str(error), result="group closed")
+        stages.done("received")
         args = dict(target_modules=source.target_modules, lora_rank=source.lora_rank, lora_alpha=source.lora_alpha)
         applied = self._applied(command.number, command.version, packed.tensors(), args)
         if not applied.ok:
             return applied
-        module = self.pipeline.weight_modules[single_target(source.target_modules)]
-        copy = packed if self.replica == command.copy_by else None
-        return dataclasses.replace(applied, result={"checksum": weights_checksum(module), "copy": copy})
+        stages.done("applied")
+        checksum = weights_checksum(self.pipeline.weight_modules[single_target(source.target_modules)])
+        stages.done("checksummed")
+        copy = None
+        if self.replica == command.copy_by:
+            copy = ray.put(packed)
+            stages.done("kept")
+        message = f"{packed.num_bytes() / 2**20:.1f} MiB: {stages}"
+        return Report(True, message, result={"checksum": checksum, "copy": copy})
 
     def leave_group(self, command: LeaveWeightGroup) -> Report:
         group = self._groups.pop(command.group_name, None)

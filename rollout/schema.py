@@ -322,6 +322,10 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     lora_rank: int | None = Field(None, description="With LoRA tensors: the adapter's rank.")
     lora_alpha: float | None = Field(None, description="With LoRA tensors: the adapter's alpha.")
     bucket_bytes: int = Field(BUCKET_BYTES, ge=2**16, le=2**34, description="(extension) Bytes a bucket holds at most.")
+    checksum: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$", description="(extension) The trainer's weights_checksum of the module "
+        "after the update: a replica that serves another fails the update, undone everywhere.",
+    )
 
 
 class DestroyWeightsUpdateGroupRequest(BaseModel):

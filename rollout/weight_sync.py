@@ -337,10 +337,13 @@ class WeightSender:
         target_modules: Sequence[str] | None = None,
         lora_rank: int | None = None,
         lora_alpha: float | None = None,
+        checksum: str | None = None,
     ) -> dict:
         """Sends the tensors to every replica; returns the server's answer (`success`, `message`,
         `weight_version`, and each replica's checksum of what it serves now), or raises
-        `WeightUpdateError` with the server's reason (every replica then keeps its old weights)."""
+        `WeightUpdateError` with the server's reason (every replica then keeps its old weights).
+        `checksum`: the trainer's `weights_checksum` of the module after the update, which every
+        replica must then serve, or the update is undone everywhere."""
         specs = specs_of(named_tensors)
         body = {
             "names": [spec.name for spec in specs],
@@ -352,6 +355,7 @@ class WeightSender:
             "lora_rank": lora_rank,
             "lora_alpha": lora_alpha,
             "bucket_bytes": self.bucket_bytes,
+            "checksum": checksum,
         }
         answered: dict[str, Any] = {}
         server_side = threading.Thread(

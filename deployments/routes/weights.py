@@ -98,12 +98,14 @@ class WeightRoutes:
         lora_rank: int | None = None,
         lora_alpha: float | None = None,
         bucket_bytes: int = BUCKET_BYTES,
+        checksum: str | None = None,
     ) -> UpdateResult:
         """Handle API: every replica receives the tensors the trainer broadcasts over the group and
         serves them, all or none; raises `WeightUpdateError` naming the cause."""
         body = parse_body(UpdateWeightsFromDistributedRequest, dict(
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
             target_modules=target_modules, lora_rank=lora_rank, lora_alpha=lora_alpha, bucket_bytes=bucket_bytes,
+            checksum=checksum,
         ))  # fmt: skip
         return _raise_unless_applied(await self._update(_group_source(body), body.weight_version))
 
@@ -214,7 +216,9 @@ def _check_module_names(module_names: list[str] | None) -> None:
 
 def _group_source(body: UpdateWeightsFromDistributedRequest) -> GroupSource:
     specs = tuple(iter_specs(body.names, body.dtypes, body.shapes))
-    return GroupSource(body.group_name, specs, body.bucket_bytes, body.target_modules, body.lora_rank, body.lora_alpha)
+    return GroupSource(
+        body.group_name, specs, body.bucket_bytes, body.target_modules, body.lora_rank, body.lora_alpha, body.checksum
+    )
 
 
 def _raise_unless_applied(result: UpdateResult) -> UpdateResult:

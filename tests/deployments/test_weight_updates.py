@@ -442,7 +442,7 @@ def test_a_state_dict_and_an_adapter_reach_every_replica_through_the_trainers_gr
     updated = with_update(base, full)
     sender = group_sender(app, bucket_bytes=64 * 2**10)  # the embedded transformer's 3 MB: dozens of buckets
     try:
-        answer = sender.update(full, weight_version="group-1")
+        answer = sender.update(full, weight_version="group-1", checksum=weights_checksum(updated.transformer))
         assert answer["success"] and answer["weight_version"] == "group-1"
         assert set(answer["checksums"].values()) == {weights_checksum(updated.transformer)}
         assert set(served(app).values()) == {("group-1", weights_checksum(updated.transformer))}
@@ -476,6 +476,10 @@ def test_a_refused_group_update_leaves_every_replica_on_the_old_weights(app, bas
         # Received by every replica, then refused by each: the group stays up for the next update.
         with pytest.raises(WeightUpdateError, match=r"update refused by 2 replica\(s\), undone on the others: .*NaN or infinite"):
             sender.update(with_one_value(perturbed(base, seed=12), float("nan")), weight_version="nan")
+        assert served(app) == before
+        # Received and applied, but not what the trainer says it sent: undone everywhere.
+        with pytest.raises(WeightUpdateError, match="serves checksum [0-9a-f]{64}, not the trainer's"):
+            sender.update(perturbed(base, seed=13), weight_version="other", checksum=weights_checksum(base.transformer))
         assert served(app) == before
         assert sender.update(perturbed(base, seed=13), weight_version="after-nan")["success"]
         # Refused from its specs, before any replica allocates a byte: the broadcast is given up.
