@@ -45,9 +45,8 @@ class RequestSpace:
             makes no finite schedule of 1 step: a 400 naming num_inference_steps).
         image_sizes: `(height, width)` of the input image each prompt is sent (`image_path`) to
             draw from; None: no image (an editing model's text-to-image request).
-        budget: generated requests a test run checks (`tests/test_request_properties.py`): about
-            a minute and a half in all on 2 cores, a family's case costing several of the embedded
-            model's.
+        budget: generated requests a test run checks (`tests/test_request_properties.py`): under
+            two minutes in all on 2 cores, a family's case costing several of the embedded model's.
     """
 
     prompts: tuple[str, ...]
