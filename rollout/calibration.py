@@ -339,25 +339,44 @@ def check_batch_invariance(
         guidance: `guidance_scale` / `true_cfg_scale` of the requests to serve (classifier-free
             guidance changes the calls); None keeps the model's default.
     """
+    velocity_difference, x_t = _velocity_difference(pipeline, height, width, guidance)
+    # The images in the VAE calls the pipeline makes: under padding, the micro-batch is one call.
+    image_difference = _comparison(pipeline)(pipeline.decode, x_t[: _images_compared(pipeline, height, width)])
+    return InvarianceCheck(str(pipeline.device), velocity_difference, image_difference)
+
+
+def _comparison(pipeline: RolloutPipeline):
+    """How `check_batch_invariance` compares a sample's outputs: alone and beside two others
+    (kernels), or in a call against one position on (padding)."""
+    if pipeline.micro_batching.invariance is BatchInvariance.KERNELS:
+        return _alone_and_beside_difference
+    return _moved_difference
+
+
+def _images_compared(pipeline: RolloutPipeline, height: int, width: int) -> int:
+    """The images of `check_batch_invariance`'s VAE calls."""
+    if pipeline.micro_batching.invariance is BatchInvariance.KERNELS:
+        return 3
+    return pipeline.micro_batching.decode_size_for(height, width)
+
+
+def _velocity_difference(
+    pipeline: RolloutPipeline, height: int, width: int, guidance: dict | None
+) -> tuple[float, torch.Tensor]:
+    """`check_batch_invariance`'s transformer part, and the latents it drew: as many as its call
+    or the VAE's takes, the VAE's call the first of them."""
     options, latent_shape, one_row, timestep = _probe(pipeline, height, width, guidance)
     micro_batching = pipeline.micro_batching
-    if micro_batching.invariance is BatchInvariance.KERNELS:
-        difference, rows, images = _alone_and_beside_difference, 3, 3
-    else:
-        rows, images = micro_batch_size(pipeline, options), micro_batching.decode_size_for(height, width)
-        difference = _moved_difference
+    rows = 3 if micro_batching.invariance is BatchInvariance.KERNELS else micro_batch_size(pipeline, options)
     conditioning = pad_conditioning(one_row, rows).map(lambda t: t.to(pipeline.device))
-    x_t = torch.randn((max(rows, images), *latent_shape), generator=torch.Generator().manual_seed(0))
-    x_t = x_t.to(pipeline.device)
+    drawn = max(rows, _images_compared(pipeline, height, width))
+    x_t = torch.randn((drawn, *latent_shape), generator=torch.Generator().manual_seed(0)).to(pipeline.device)
 
     def velocity(x: torch.Tensor) -> torch.Tensor:
         return pipeline.predict_velocity(x, timestep.expand(len(x)), conditioning.rows(slice(0, len(x))), options)
 
     with torch.no_grad(), micro_batching.kernels():
-        velocity_difference = difference(velocity, x_t[:rows])
-    # The images in the VAE calls the pipeline makes: under padding, the micro-batch is one call.
-    image_difference = difference(pipeline.decode, x_t[:images])
-    return InvarianceCheck(str(pipeline.device), velocity_difference, image_difference)
+        return _comparison(pipeline)(velocity, x_t[:rows]), x_t
 
 
 def _alone_and_beside_difference(compute, x: torch.Tensor) -> float:
@@ -385,7 +404,10 @@ def require_batch_invariance(pipeline: RolloutPipeline, height: int, width: int)
         default = resolve_options(pipeline, SamplingOptions(height=height, width=width))
         call_rows = rows_per_sample(pipeline, default) * micro_batch_size(pipeline, default)
         if call_rows != micro_batching.size_for(height, width):
-            check = check_batch_invariance(pipeline, height, width, UNGUIDED)
+            # Only the transformer's calls change: the VAE's images, already compared, do not
+            # depend on guidance.
+            velocity_difference, _ = _velocity_difference(pipeline, height, width, UNGUIDED)
+            check = dataclasses.replace(check, velocity_difference=velocity_difference)
     if check.holds:
         return
     if micro_batching.invariance is BatchInvariance.KERNELS:

@@ -2,6 +2,8 @@
 every other leaf keeps its bits, the dropped ones cost no transformer row after the step they were
 dropped at, and a call whose every root is dropped stops before its next step."""
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -56,10 +58,20 @@ def digits(request):
     return load_pipeline(micro_batching=MicroBatching(2, invariance=request.param))
 
 
+# Prompts of different text lengths fall in conditioning buckets of their own. At Qwen-Image's
+# default 1024 px both of these pad to one 32-token bucket; at 64 px buckets are 8 tokens, and
+# they fall apart (checked by the fixture). 64 px also decodes in milliseconds, not seconds.
+WORDED_PROMPTS = ("a cat", "a red cat on a long wall at dusk")
+QWENIMAGE_SIZE = 64
+
+
 @pytest.fixture(scope="module")
 def qwenimage(tiny_family_dirs):
-    # Prompts of different text lengths fall in conditioning buckets of their own.
-    return load_pipeline("qwenimage", tiny_family_dirs["qwenimage"], device="cpu", micro_batching=MicroBatching(2))
+    pipeline = load_pipeline("qwenimage", tiny_family_dirs["qwenimage"], device="cpu", micro_batching=MicroBatching(2))
+    options = resolve_options(pipeline, SamplingOptions(height=QWENIMAGE_SIZE, width=QWENIMAGE_SIZE))
+    conditioning = pipeline.encode_prompts(list(WORDED_PROMPTS), ["", ""], options, [(), ()])
+    assert len(conditioning.buckets) == 2, "the prompts must fall in text buckets of their own"
+    return pipeline
 
 
 def rows_with_drops(pipeline, roots, drop_steps, options) -> int:
@@ -115,8 +127,9 @@ def test_dropped_roots_leave_every_other_leafs_bits_as_they_were_on_a_family_wit
     qwenimage, one_torch_thread, call
 ):
     roots, drop_steps, options = call
-    worded = [TreeRoot(("a cat", "a red cat on a long wall at dusk")[i % 2], "", root.seed, root.branching) for i, root in enumerate(roots)]
-    check_dropping(qwenimage, worded, drop_steps, options, one_bucket=False)
+    worded = [TreeRoot(WORDED_PROMPTS[i % 2], "", root.seed, root.branching) for i, root in enumerate(roots)]
+    sized = dataclasses.replace(options, height=QWENIMAGE_SIZE, width=QWENIMAGE_SIZE)
+    check_dropping(qwenimage, worded, drop_steps, sized, one_bucket=False)
 
 
 def test_a_call_whose_every_root_is_dropped_runs_no_transformer_step_after_the_check(random_pipeline):

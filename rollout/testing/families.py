@@ -45,7 +45,7 @@ class RequestSpace:
             makes no finite schedule of 1 step: a 400 naming num_inference_steps).
         image_sizes: `(height, width)` of the input image each prompt is sent (`image_path`) to
             draw from; None: no image (an editing model's text-to-image request).
-        budget: generated requests a test run checks (`tests/test_request_properties.py`): about
+        budget: generated requests a test run checks (`tests/test_request_properties.py`): under
             two minutes in all on 2 cores, a family's case costing several of the embedded model's.
     """
 
@@ -187,7 +187,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             DigitFlowPipeline,
             builder=None,
             requests=RequestSpace(
-                DIGIT_PROMPTS, budget=100, guidance_scales=(None, 0.0, 1.0, 2.5), true_cfg_scales=(None, 1.5)
+                DIGIT_PROMPTS, budget=60, guidance_scales=(None, 0.0, 1.0, 2.5), true_cfg_scales=(None, 1.5)
             ),
         ),
         TinyFamily(

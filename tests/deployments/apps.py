@@ -1,6 +1,7 @@
 """The test applications' configuration, and deploying an application of its own beside the
 session's (`conftest.py` deploys the session's one)."""
 
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 from ray import serve
@@ -58,3 +59,11 @@ def _app_config(name: str, config: dict) -> RolloutAppConfig:
 def _deployed(serve_app, handle, config: RolloutAppConfig) -> SimpleNamespace:
     url = f"{serve_app[1]}/{config.app_name}"
     return SimpleNamespace(handle=handle, name=config.app_name, url=url, probe_url=config.probe_url)
+
+
+def delete_side_by_side(names) -> None:
+    """Deletes applications concurrently: each delete waits for its replicas to shut down
+    gracefully, which deletes in turn would wait for one application after another."""
+    names = list(names)
+    with ThreadPoolExecutor(len(names)) as pool:
+        list(pool.map(serve.delete, names))

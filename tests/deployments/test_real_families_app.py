@@ -28,6 +28,7 @@ from rollout.scorers.base import ScoringSample
 from rollout.scorers.clip import ClipScorer
 from rollout.testing.builders import build_tiny_clip
 from rollout.testing.families import IMAGE_FAMILIES, TINY_FAMILIES
+from tests.deployments.apps import delete_side_by_side
 from tests.reference_bits import (
     REFERENCE,
     batch_records,
@@ -86,8 +87,7 @@ def family_apps(serve_app, tiny_family_dirs, tiny_clip):
         for family, handle in zip(IMAGE_FAMILIES, handles)
     }
     yield apps
-    for family in IMAGE_FAMILIES:
-        serve.delete(f"family-{family}")
+    delete_side_by_side(f"family-{family}" for family in IMAGE_FAMILIES)
 
 
 def library_micro_batching(model: dict) -> MicroBatching:

@@ -18,6 +18,7 @@ from rollout.replay import replay_log_probs
 from rollout.rows import schedule_of_row
 from rollout.sampler import sample
 from rollout.video import frames_as_uint8
+from tests.deployments.apps import delete_side_by_side
 from tests.deployments.test_sglang_compat import generate
 from tests.test_response_size import response_estimate
 
@@ -59,8 +60,7 @@ def video_apps(serve_app, tiny_video_dirs):
         for layout in APPS
     }
     yield {layout: (handle, f"{base_url}/{layout}", local[layout]) for layout, handle in zip(APPS, handles)}
-    for layout in APPS:
-        serve.delete(f"video-{layout}")
+    delete_side_by_side(f"video-{layout}" for layout in APPS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

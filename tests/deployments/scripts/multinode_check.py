@@ -27,7 +27,9 @@ def main() -> None:
         port = int(sys.argv[1])
         # One proxy: the simulated nodes share this machine's ports, so a proxy per node collides.
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        config = {"num_worker_replicas": 2, "worker_max_replicas_per_node": 1, "worker_torch_threads": 1}
+        # No scorers: the request asks for no rewards, and the embedded model's default scorers
+        # would be two more replica processes to start on the two 1-CPU nodes, never called.
+        config = {"num_worker_replicas": 2, "worker_max_replicas_per_node": 1, "worker_torch_threads": 1, "scorers": {}}
         handle = serve.run(build_app(config), name="multinode", route_prefix="/")
 
         pipeline = load_pipeline()
