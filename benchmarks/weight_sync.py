@@ -10,7 +10,10 @@ embedded architecture scaled to that size (random weights, saved to a temporary 
 - object store: `ray.put` of a state dict of random tensors with the transformer's names and
   shapes, then `handle.update_weights_from_tensor(ObjectStoreTensors(ref))`;
 - group: `WeightSender.update(state_dict)`, which posts the update through the handle while it
-  broadcasts the tensors in 512 MiB buckets.
+  broadcasts the tensors in 512 MiB buckets;
+- group delta: a second group whose sender sends deltas (`deltas=True`): each round changes
+  `--changed` of the elements (2% by default: a fine-tune step in bf16 changes 1-3%, as verl
+  measures) of the state it sent last, and only those go over the wire.
 Each is timed from the trainer's call to its return, when both replicas serve the new weights
 (each has checked them, kept an undo copy and written them; over the group, one replica has also
 handed what arrived to the coordinator, which keeps it for replicas that start later). Prints one
@@ -79,7 +82,7 @@ def scaled_pipeline(layers: int, heads: int) -> DigitFlowPipeline:
     return DigitFlowPipeline(transformer, encoder, FlowMatchEulerDiscreteScheduler())
 
 
-def measure(name: str, layers: int, heads: int, repeats: int, directory: Path) -> dict:
+def measure(name: str, layers: int, heads: int, repeats: int, directory: Path, changed: float) -> dict:
     pipeline = scaled_pipeline(layers, heads)
     pipeline.save_pretrained(directory / name, weights_dtype=torch.float32)
     shapes = {key: t.shape for key, t in pipeline.transformer.state_dict().items()}
@@ -105,7 +108,7 @@ def measure(name: str, layers: int, heads: int, repeats: int, directory: Path) -
         group_messages.append(answer["message"])
 
     paths = {"object_store": through_the_object_store, "group": over_the_group}
-    times: dict[str, list[float]] = {path: [] for path in paths}
+    times: dict[str, list[float]] = {path: [] for path in (*paths, "whole", "delta")}
     for repeat in range(-1, repeats):  # -1: a warm-up of each, not counted
         for path, update in paths.items():
             state_dict = {key: torch.randn(shape) for key, shape in shapes.items()}
@@ -114,11 +117,27 @@ def measure(name: str, layers: int, heads: int, repeats: int, directory: Path) -
             if repeat >= 0:
                 times[path].append(time.perf_counter() - start)
             del state_dict
+
+    # Fine-tune steps, each changing `changed` of the elements of the last: sent whole and as a
+    # delta in turn, by one sender, so that each delta is from the weights the replicas serve.
+    delta_sender = WeightSender(handle_server(handle), 2, free_port(), group_name="deltas", deltas=True)
+    state_dict = {key: torch.randn(shape) for key, shape in shapes.items()}
+    delta_sender.update(state_dict, weight_version="steps-start")
+    for repeat in range(-1, repeats):
+        for path in ("whole", "delta"):
+            state_dict = {k: torch.where(torch.rand(t.shape) < changed, torch.randn(t.shape), t) for k, t in state_dict.items()}
+            start = time.perf_counter()
+            answer = delta_sender.update(state_dict, weight_version=f"{path}-{repeat}", whole=path == "whole")
+            if repeat >= 0:
+                times[path].append(time.perf_counter() - start)
+            assert answer["success"] and ("made whole" in answer["message"]) == (path == "delta"), answer["message"]
+    delta_sender.close()
     served = handle.info.remote().result()["replica_weight_versions"]
-    assert len(served) == 2 and set(served.values()) == {f"group-{repeats - 1}"}, served
+    assert len(served) == 2 and set(served.values()) == {f"delta-{repeats - 1}"}, served
     sender.close()
     serve.delete(app)
     object_store, group = (statistics.median(times[path]) for path in paths)
+    whole, delta = (statistics.median(times[path]) for path in ("whole", "delta"))
     return {
         "size": name,
         "mib": round(num_bytes / 2**20, 1),
@@ -127,13 +146,17 @@ def measure(name: str, layers: int, heads: int, repeats: int, directory: Path) -
         "object_store_s": round(object_store, 3),
         "group_s": round(group, 3),
         "speedup": round(object_store / group, 2),
+        "whole_s": round(whole, 3),
+        "delta_s": round(delta, 3),
+        "whole_runs_s": [round(t, 3) for t in times["whole"]],
+        "delta_runs_s": [round(t, 3) for t in times["delta"]],
         "object_store_runs_s": [round(t, 3) for t in times["object_store"]],
         "group_runs_s": [round(t, 3) for t in times["group"]],
         "last_group_update": group_messages[-1],  # each replica's stage times
     }
 
 
-def markdown(results: list[dict], repeats: int) -> str:
+def markdown(results: list[dict], repeats: int, changed: float) -> str:
     lines = [
         "# Weight sync",
         "",
@@ -153,6 +176,20 @@ def markdown(results: list[dict], repeats: int) -> str:
             f"| {r['mib']} MiB | {r['tensors']} | {r['object_store_s']} | {r['group_s']} | {r['speedup']}x faster | "
             f"{r['init_s']} | {store_runs} | {group_runs} |"
         )
+    lines += [
+        "",
+        f"Fine-tune steps that each change {changed:.0%} of the elements, over the group, sent whole and as deltas "
+        "(positions and values of the changed elements) in turn:",
+        "",
+        "| size | sent whole (s) | as a delta (s) | whole / delta | whole runs (s) | delta runs (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        whole_runs, delta_runs = (", ".join(map(str, r[key])) for key in ("whole_runs_s", "delta_runs_s"))
+        lines.append(
+            f"| {r['mib']} MiB | {r['whole_s']} | {r['delta_s']} | {r['whole_s'] / r['delta_s']:.2f}x | "
+            f"{whole_runs} | {delta_runs} |"
+        )
     lines += ["", "Each replica's stages in the last update over the group, as its answer gives them:", ""]
     lines += [f"- {r['mib']} MiB: {r['last_group_update']}" for r in results]
     return "\n".join(lines) + "\n" + NOTES
@@ -162,6 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--changed", type=float, default=0.02, help="the fraction of elements a delta round changes")
     parser.add_argument("--output", type=Path, default=None, help="markdown file for the results table")
     args = parser.parse_args()
 
@@ -170,12 +208,12 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as directory:
         for name in args.sizes:
-            results.append(measure(name, *SIZES[name], args.repeats, Path(directory)))
+            results.append(measure(name, *SIZES[name], args.repeats, Path(directory), args.changed))
             print(json.dumps(results[-1]), flush=True)
     serve.shutdown()
     ray.shutdown()
     if args.output:
-        args.output.write_text(markdown(results, args.repeats))
+        args.output.write_text(markdown(results, args.repeats, args.changed))
 
 
 if __name__ == "__main__":

@@ -34,12 +34,13 @@ from ray.serve.schema import LoggingConfig
 from deployments.broadcast import Command, CommandLog, Posted, Report
 from rollout.checkpoints import UnreadableCheckpointError, disk_update
 from rollout.errors import RolloutError, WeightUpdateError, clip
-from rollout.weight_sync import PackedTensors, TensorSpec, WeightGroup
+from rollout.weight_sync import PackedTensors, TensorSpec, WeightGroup, delta_specs, with_delta
 from rollout.weights import (
     DEFAULT_TARGET_MODULE,
     TensorLayout,
     WeightUpdate,
     apply_update,
+    base_weights,
     check_lora_config,
     check_tensors,
     lora_layout,
@@ -110,6 +111,12 @@ class GroupSource:
     lora_rank: int | None = None
     lora_alpha: float | None = None
     checksum: str | None = None  # the trainer's weights_checksum of the module after the update
+    delta_from: str | None = None  # a delta: changes to this version, `changed` elements per tensor
+    changed: tuple[int, ...] | None = None
+
+    def broadcast_specs(self) -> list[TensorSpec]:
+        """What the trainer broadcasts: the tensors, or their changed elements."""
+        return list(self.specs) if self.delta_from is None else delta_specs(self.specs, self.changed or ())
 
 
 @dataclass(frozen=True)
@@ -440,6 +447,15 @@ class WeightCoordinator:
         if len(given) != len(source.specs):
             raise WeightUpdateError("names", "a tensor is named twice")
         layout = self.layouts[module]
+        if source.delta_from is not None:
+            if source.lora_rank is not None:
+                raise WeightUpdateError("delta_from", "a LoRA adapter is sent whole, not as a delta")
+            served = set(self.served.values()) | {self.version}
+            if served != {source.delta_from}:
+                raise WeightUpdateError(
+                    "delta_from", f"the replicas serve {sorted(served)}, not {clip(source.delta_from)!r}: send it whole"
+                )
+            source.broadcast_specs()  # one count per tensor, each within its tensor
         if source.lora_rank is not None:
             check_lora_config(source.lora_rank, source.lora_alpha, {spec.dtype for spec in source.specs})
             layout = lora_layout(layout, source.lora_rank, given)
@@ -563,17 +579,28 @@ class ServedWeights:
             return Report(False, f"not in group {source.group_name!r}", result="group closed")
         stages = _Stages()
         try:
-            packed = group.receive(source.specs, source.bucket_bytes)
+            packed = group.receive(source.broadcast_specs(), source.bucket_bytes)
         except WeightUpdateError as error:  # the trainer or a peer is gone: the group cannot be used again
             self.leave_group(LeaveWeightGroup(source.group_name))
             return Report(False, str(error), result="group closed")
         stages.done("received")
+        module = self.pipeline.weight_modules[single_target(source.target_modules)]
+        tensors = packed.tensors()
+        if source.delta_from is not None:
+            if self.version != source.delta_from:
+                return Report(False, f"serves {self.version!r}, and the delta is from {source.delta_from!r}")
+            try:
+                tensors = with_delta(base_weights(module), tensors)
+            except WeightUpdateError as error:
+                return Report(False, str(error))
+            packed = PackedTensors.of(tensors)  # kept whole: a replica that starts later has no base
+            stages.done("made whole")
         args = dict(target_modules=source.target_modules, lora_rank=source.lora_rank, lora_alpha=source.lora_alpha)
-        applied = self._applied(command.number, command.version, packed.tensors(), args)
+        applied = self._applied(command.number, command.version, tensors, args)
         if not applied.ok:
             return applied
         stages.done("applied")
-        checksum = weights_checksum(self.pipeline.weight_modules[single_target(source.target_modules)])
+        checksum = weights_checksum(module)
         stages.done("checksummed")
         copy = None
         if self.replica == command.copy_by:

@@ -326,6 +326,11 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
         None, pattern=r"^[0-9a-f]{64}$", description="(extension) The trainer's weights_checksum of the module "
         "after the update: a replica that serves another fails the update, undone everywhere.",
     )
+    delta_from: str | None = Field(
+        None, description="(extension) A delta: the version every replica serves, which the changed elements "
+        "(`changed`, one count per tensor) are changes to.",
+    )
+    changed: Items[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=200_000)
 
 
 class DestroyWeightsUpdateGroupRequest(BaseModel):

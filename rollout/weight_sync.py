@@ -150,6 +150,62 @@ class PackedTensors:
     def num_bytes(self) -> int:
         return sum(buffer.nbytes for buffer in self.buffers)
 
+    @classmethod
+    def of(cls, named_tensors: Mapping[str, torch.Tensor]) -> "PackedTensors":
+        """Tensors in one bucket (an update made whole from a delta, kept for catching up)."""
+        specs = tuple(specs_of(named_tensors))
+        return cls((specs,), (pack(list(named_tensors.values()), torch.device("cpu")).numpy(),))
+
+
+# Deltas: only the elements that changed since the version a replica serves, each tensor as the
+# positions (flat, int64) and the new values of its changed elements, compared bit for bit.
+_POSITIONS, _VALUES = ":changed_positions", ":changed_values"
+_SAME_WIDTH_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def changed_positions(previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """The flat positions whose bits differ (a NaN's payload and the sign of a zero included)."""
+    width = _SAME_WIDTH_INTEGERS[current.dtype.itemsize]
+    before, after = (t.detach().cpu().contiguous().reshape(-1).view(width) for t in (previous, current))
+    return (before != after).nonzero().reshape(-1)
+
+
+def delta_of(previous: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`current` as changes to `previous` (same names, dtypes and shapes): per tensor, the positions
+    and the values of its changed elements, in `current`'s order."""
+    delta = {}
+    for name, tensor in current.items():
+        positions = changed_positions(previous[name], tensor)
+        delta[name + _POSITIONS] = positions
+        delta[name + _VALUES] = tensor.detach().cpu().reshape(-1)[positions]
+    return delta
+
+
+def delta_specs(specs: Sequence[TensorSpec], changed: Sequence[int]) -> list[TensorSpec]:
+    """What a delta of the tensors `specs` broadcasts, `changed[i]` elements of tensor i."""
+    if len(changed) != len(specs):
+        raise WeightUpdateError("changed", f"needs one count per tensor: {len(changed)} for {len(specs)}")
+    out = []
+    for spec, count in zip(specs, changed):
+        if not 0 <= count <= math.prod(spec.shape):
+            raise WeightUpdateError("changed", f"{spec.name}: {count} of its {math.prod(spec.shape)} elements")
+        out += [TensorSpec(spec.name + _POSITIONS, torch.int64, (count,)), TensorSpec(spec.name + _VALUES, spec.dtype, (count,))]
+    return out
+
+
+def with_delta(base: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole tensors a delta describes: copies of `base`'s, the changed elements written in.
+    Raises `WeightUpdateError` for a position outside its tensor."""
+    whole = {}
+    for name in (key.removesuffix(_POSITIONS) for key in delta if key.endswith(_POSITIONS)):
+        positions, values = delta[name + _POSITIONS], delta[name + _VALUES]
+        tensor = base[name].detach().to("cpu", copy=True)
+        if len(positions) and not (0 <= int(positions.min()) and int(positions.max()) < tensor.numel()):
+            raise WeightUpdateError("changed", f"{name}: a changed position lies outside the tensor")
+        tensor.view(-1)[positions] = values.to(tensor.dtype)
+        whole[name] = tensor
+    return whole
+
 
 class WeightGroup:
     """One rank's end of a weight-update group: rank 0 sends, every other rank receives."""
@@ -296,6 +352,9 @@ class WeightSender:
 
     `server_ranks` is the number of the server's worker replicas (`/rollout/info`'s
     `replica_weight_versions`); `master_address` is this trainer's address as the replicas reach it.
+    With `deltas`, an update of full weights after one that succeeded sends only the elements
+    that changed (their positions and values, bit for bit) where that is smaller than the tensors;
+    the sender then keeps a copy of what it last sent.
     """
 
     def __init__(
@@ -308,8 +367,10 @@ class WeightSender:
         backend: str = "gloo",
         timeout_s: float = 600.0,
         bucket_bytes: int = BUCKET_BYTES,
+        deltas: bool = False,
     ):
-        self.server, self.group_name, self.bucket_bytes = server, group_name, bucket_bytes
+        self.server, self.group_name, self.bucket_bytes, self.deltas = server, group_name, bucket_bytes, deltas
+        self._last_sent: tuple[str, dict[str, torch.Tensor]] | None = None  # (its version, the tensors)
         body = {
             "master_address": master_address,
             "master_port": master_port,
@@ -338,13 +399,16 @@ class WeightSender:
         lora_rank: int | None = None,
         lora_alpha: float | None = None,
         checksum: str | None = None,
+        whole: bool = False,
     ) -> dict:
         """Sends the tensors to every replica; returns the server's answer (`success`, `message`,
         `weight_version`, and each replica's checksum of what it serves now), or raises
         `WeightUpdateError` with the server's reason (every replica then keeps its old weights).
         `checksum`: the trainer's `weights_checksum` of the module after the update, which every
-        replica must then serve, or the update is undone everywhere."""
+        replica must then serve, or the update is undone everywhere. `whole`: every element, even
+        where a delta would be smaller."""
         specs = specs_of(named_tensors)
+        delta = None if whole or lora_rank is not None else self._delta(named_tensors)
         body = {
             "names": [spec.name for spec in specs],
             "dtypes": [str(spec.dtype).removeprefix("torch.") for spec in specs],
@@ -357,6 +421,12 @@ class WeightSender:
             "bucket_bytes": self.bucket_bytes,
             "checksum": checksum,
         }
+        sent_tensors = named_tensors
+        if delta is not None:
+            version, sent_tensors = delta
+            body["delta_from"] = version
+            body["changed"] = [len(sent_tensors[spec.name + _POSITIONS]) for spec in specs]
+        self._last_sent = None  # until this update is served
         answered: dict[str, Any] = {}
         server_side = threading.Thread(
             target=_into, args=(answered, lambda: self.server("update_weights_from_distributed", body))
@@ -364,7 +434,7 @@ class WeightSender:
         server_side.start()
         sent = None
         try:
-            self.group.send(named_tensors, self.bucket_bytes, given_up=lambda: "error" in answered)
+            self.group.send(sent_tensors, self.bucket_bytes, given_up=lambda: "error" in answered)
         except WeightUpdateError as failure:
             sent = failure
         finally:
@@ -373,7 +443,22 @@ class WeightSender:
             raise answered["error"]
         if sent is not None:  # served by the replicas that received it; a rank of this group is gone
             self.group.close()
-        return answered["answer"]
+        answer = answered["answer"]
+        if self.deltas and lora_rank is None:
+            self._last_sent = (answer["weight_version"], {name: t.detach().clone() for name, t in named_tensors.items()})
+        return answer
+
+    def _delta(self, named_tensors: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """(the version it changes, the delta) where a delta of the last update is smaller, else None."""
+        if not self.deltas or self._last_sent is None:
+            return None
+        version, previous = self._last_sent
+        if specs_of(previous) != specs_of(named_tensors):
+            return None
+        delta = delta_of(previous, named_tensors)
+        if sum(t.nbytes for t in delta.values()) >= sum(t.nbytes for t in named_tensors.values()):
+            return None
+        return version, delta
 
     def close(self) -> None:
         """Has the replicas leave the group, and leaves it."""

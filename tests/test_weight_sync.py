@@ -15,10 +15,13 @@ from rollout.weight_sync import (
     WeightGroup,
     bucket_nbytes,
     buckets_of,
+    delta_of,
+    delta_specs,
     iter_specs,
     pack,
     specs_of,
     unpack,
+    with_delta,
 )
 from tests.ports import free_port
 
@@ -147,3 +150,46 @@ def test_joining_refuses_a_rank_outside_the_world_and_an_unknown_backend():
         WeightGroup.join("127.0.0.1", free_port(), 3, 2, "test")
     with pytest.raises(WeightUpdateError, match="backend: must be one of"):
         WeightGroup.join("127.0.0.1", free_port(), 0, 2, "test", backend="mpi")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    specs=specs_strategy.filter(lambda specs: all(spec.dtype != torch.bool for spec in specs)),
+    changed_fraction=st.floats(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_a_delta_makes_the_new_tensors_whole_again_bit_for_bit_and_sends_only_what_changed(specs, changed_fraction, seed):
+    generator = torch.Generator().manual_seed(seed)
+
+    def random_bits(spec):
+        return torch.randint(0, 256, (spec.nbytes,), generator=generator, dtype=torch.uint8).view(spec.dtype).reshape(spec.shape)
+
+    previous = {spec.name: random_bits(spec) for spec in specs}
+    current = {}
+    for spec in specs:  # some elements replaced by other bits: NaN payloads and signed zeros among them
+        keep = torch.rand(spec.shape, generator=generator) >= changed_fraction
+        current[spec.name] = torch.where(keep, previous[spec.name], random_bits(spec))
+    delta = delta_of(previous, current)
+    counts = [len(delta[spec.name + ":changed_positions"]) for spec in specs]
+    assert [(s.name, s.dtype, s.shape) for s in delta_specs(specs, counts)] == [
+        (name, t.dtype, tuple(t.shape)) for name, t in delta.items()
+    ]
+    for spec, count in zip(specs, counts):  # exactly the elements whose bits differ
+        assert count == int((raw(previous[spec.name]).view(-1, spec.dtype.itemsize) != raw(current[spec.name]).view(-1, spec.dtype.itemsize)).any(1).sum())
+    base = {name: t.clone() for name, t in previous.items()}
+    whole = with_delta(previous, delta)
+    assert list(whole) == list(current)
+    for name in current:
+        assert torch.equal(raw(whole[name]), raw(current[name]))
+        assert torch.equal(raw(previous[name]), raw(base[name]))  # the base is not written
+
+
+def test_a_delta_names_counts_that_do_not_fit_its_tensors():
+    specs = [TensorSpec("w", torch.float32, (2, 3))]
+    with pytest.raises(WeightUpdateError, match="changed: w: 7 of its 6 elements"):
+        delta_specs(specs, [7])
+    with pytest.raises(WeightUpdateError, match="changed: needs one count per tensor"):
+        delta_specs(specs, [1, 2])
+    outside = {"w:changed_positions": torch.tensor([6]), "w:changed_values": torch.tensor([1.0])}
+    with pytest.raises(WeightUpdateError, match="changed: w: a changed position lies outside the tensor"):
+        with_delta({"w": torch.zeros(2, 3)}, outside)

@@ -7,6 +7,7 @@ Needs from the ingress: `bodies` (`BodyReader`) and `coordinator` (the `WeightCo
 """
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -99,13 +100,15 @@ class WeightRoutes:
         lora_alpha: float | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         checksum: str | None = None,
+        delta_from: str | None = None,
+        changed: list[int] | None = None,
     ) -> UpdateResult:
         """Handle API: every replica receives the tensors the trainer broadcasts over the group and
         serves them, all or none; raises `WeightUpdateError` naming the cause."""
         body = parse_body(UpdateWeightsFromDistributedRequest, dict(
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
             target_modules=target_modules, lora_rank=lora_rank, lora_alpha=lora_alpha, bucket_bytes=bucket_bytes,
-            checksum=checksum,
+            checksum=checksum, delta_from=delta_from, changed=changed,
         ))  # fmt: skip
         return _raise_unless_applied(await self._update(_group_source(body), body.weight_version))
 
@@ -144,51 +147,43 @@ class WeightRoutes:
 
     @route("POST", "/update_weights_from_disk", operator=True)
     async def http_update_weights_from_disk(self, http_request: Request) -> Response:
-        try:
-            raw = await self.bodies.read(http_request)
-            body = parse_body(UpdateWeightsFromDiskRequest, raw)
-            result = await self._update(DiskSource(body.model_path, body.target_modules), body.weight_version)
-        except RolloutError as error:
-            return weights_refusal(error)
-        return _weights_answer(result)
+        async def update() -> UpdateResult:
+            body = parse_body(UpdateWeightsFromDiskRequest, await self.bodies.read(http_request))
+            return await self._update(DiskSource(body.model_path, body.target_modules), body.weight_version)
+
+        return await _answered(update)
 
     @route("POST", "/update_weights_from_tensor", operator=True)
     async def http_update_weights_from_tensor(self, http_request: Request) -> Response:
-        try:
-            raw = await self.bodies.read(http_request, TENSOR_UPDATE_BODY)
-            body = parse_tensor_update(raw)
+        async def update() -> UpdateResult:
+            body = parse_tensor_update(await self.bodies.read(http_request, TENSOR_UPDATE_BODY))
             source = TensorSource(body.named_tensors, body.target_modules, body.lora_rank, body.lora_alpha)
-            result = await self._update(source, body.weight_version)
-        except RolloutError as error:
-            return weights_refusal(error)
-        return _weights_answer(result)
+            return await self._update(source, body.weight_version)
+
+        return await _answered(update)
 
     @route("POST", "/init_weights_update_group", operator=True)
     async def http_init_weights_update_group(self, http_request: Request) -> Response:
-        try:
-            body = parse_body(InitWeightsUpdateGroupRequest, await self.bodies.read(http_request))
-            result = await self._init_group(body)
-        except RolloutError as error:
-            return weights_refusal(error)
-        return _weights_answer(result)
+        async def init() -> UpdateResult:
+            return await self._init_group(parse_body(InitWeightsUpdateGroupRequest, await self.bodies.read(http_request)))
+
+        return await _answered(init)
 
     @route("POST", "/update_weights_from_distributed", operator=True)
     async def http_update_weights_from_distributed(self, http_request: Request) -> Response:
-        try:
+        async def update() -> UpdateResult:
             body = parse_body(UpdateWeightsFromDistributedRequest, await self.bodies.read(http_request))
-            result = await self._update(_group_source(body), body.weight_version)
-        except RolloutError as error:
-            return weights_refusal(error)
-        return _weights_answer(result)
+            return await self._update(_group_source(body), body.weight_version)
+
+        return await _answered(update)
 
     @route("POST", "/destroy_weights_update_group", operator=True)
     async def http_destroy_weights_update_group(self, http_request: Request) -> Response:
-        try:
+        async def destroy() -> UpdateResult:
             body = parse_body(DestroyWeightsUpdateGroupRequest, (await self.bodies.read(http_request)) or {})
-            result = await self.coordinator.destroy_weight_group.remote(body.group_name)
-        except RolloutError as error:
-            return weights_refusal(error)
-        return _weights_answer(result)
+            return await self.coordinator.destroy_weight_group.remote(body.group_name)
+
+        return await _answered(destroy)
 
     @route("POST", "/get_weights_checksum", operator=True)
     async def http_get_weights_checksum(self, http_request: Request) -> Response:
@@ -216,8 +211,17 @@ def _check_module_names(module_names: list[str] | None) -> None:
 
 def _group_source(body: UpdateWeightsFromDistributedRequest) -> GroupSource:
     specs = tuple(iter_specs(body.names, body.dtypes, body.shapes))
+    changed = None if body.changed is None else tuple(body.changed)
     return GroupSource(
-        body.group_name, specs, body.bucket_bytes, body.target_modules, body.lora_rank, body.lora_alpha, body.checksum
+        body.group_name,
+        specs,
+        body.bucket_bytes,
+        body.target_modules,
+        body.lora_rank,
+        body.lora_alpha,
+        body.checksum,
+        body.delta_from,
+        changed,
     )
 
 
@@ -225,6 +229,14 @@ def _raise_unless_applied(result: UpdateResult) -> UpdateResult:
     if not result.success:
         raise WeightUpdateError("update", result.message)
     return result
+
+
+async def _answered(change: Callable[[], Awaitable[UpdateResult]]) -> Response:
+    """SGLang's answer to a route that changes the served weights, or its refusal (4xx)."""
+    try:
+        return _weights_answer(await change())
+    except RolloutError as error:
+        return weights_refusal(error)
 
 
 def _weights_answer(result: UpdateResult) -> JSONResponse:

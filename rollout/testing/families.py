@@ -199,7 +199,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             trained={"guidance_scale": 4.5},
             throughput_steps=28,
             inputs=TransformerInputs(frozenset({"encoder_hidden_states", "pooled_projections"})),
-            requests=RequestSpace(WORDS, budget=10, sizes=(None, 32), guidance_scales=(None, 1.0, 4.5)),
+            requests=RequestSpace(WORDS, budget=7, sizes=(None, 32), guidance_scales=(None, 1.0, 4.5)),
             gpu_check=GpuCheck("sd35_medium", budget_weight=1.0),
         ),
         TinyFamily(
@@ -217,7 +217,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
                 time_per_1000=True,
             ),
             requests=RequestSpace(
-                WORDS, budget=10, sizes=(32, 48), guidance_scales=(None, 3.5), true_cfg_scales=(None, 1.0, 2.0)
+                WORDS, budget=7, sizes=(32, 48), guidance_scales=(None, 3.5), true_cfg_scales=(None, 1.0, 2.0)
             ),
             gpu_check=GpuCheck("flux1_dev", budget_weight=1.6),
         ),
@@ -283,7 +283,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
                 image=frozenset({"img_shapes"}),
                 time_per_1000=True,
             ),
-            requests=RequestSpace(WORDS, budget=10, sizes=(32, 48), true_cfg_scales=(None, 1.0, 3.0), min_steps=2),
+            requests=RequestSpace(WORDS, budget=7, sizes=(32, 48), true_cfg_scales=(None, 1.0, 3.0), min_steps=2),
         ),
         TinyFamily(
             "qwenimage_edit",

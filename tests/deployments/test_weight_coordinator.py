@@ -83,7 +83,7 @@ class ScriptedReplica:
 
 
 def coordinator():
-    return WeightCoordinator.func_or_class("v0", [], update_timeout_s=30)
+    return WeightCoordinator.func_or_class("v0", [], update_timeout_s=30, allowed_weight_sync_addresses=["127.0.0.1"])
 
 
 def tensors():

@@ -521,15 +521,63 @@ def test_a_group_refuses_an_address_the_app_does_not_allow_and_a_world_of_anothe
     assert not answer["success"] and "world_size: must be rank_offset + 2" in answer["message"]
 
 
-def test_a_replica_that_restarts_after_a_group_update_catches_up_from_the_coordinators_copy(app, base):
-    updated = with_update(base, perturbed(base, seed=16))
-    sender = group_sender(app)
+def test_a_step_that_changes_few_weights_goes_as_a_delta_and_every_replica_serves_its_whole_bits(app, base):
+    step_1 = perturbed(base, seed=17)
+    step_2 = {name: t.clone() for name, t in step_1.items()}
+    for tensor in list(step_2.values())[::3]:  # a step that changes a few elements of some tensors
+        tensor.view(-1)[:5] += 1.0
+    updated = with_update(base, step_2)
+    sender = WeightSender(http_server(app.url), server_ranks=2, master_port=free_port(), timeout_s=30, deltas=True)
     try:
-        sender.update(perturbed(base, seed=16), weight_version="group-16")
+        first = sender.update(step_1, weight_version="delta-1")
+        assert "made whole" not in first["message"]  # nothing to change from yet: sent whole
+        second = sender.update(step_2, weight_version="delta-2", checksum=weights_checksum(updated.transformer))
     finally:
         sender.close()
-    workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if f"{APP_NAME}:RolloutWorker" in a.class_name]
-    ray.kill(ray.get_actor(workers[0].name, namespace="serve"))
+    assert "made whole" in second["message"]  # each replica made the tensors whole from its own
+    assert set(served(app).values()) == {("delta-2", weights_checksum(updated.transformer))}
+    _, batch = rollout(app, {"prompt": "0", "num_outputs_per_prompt": 2, "num_inference_steps": 3})
+    assert_replays_exactly(updated, batch)
+
+
+def test_a_delta_from_weights_no_longer_served_is_refused_before_it_is_sent(app, base):
+    sender = WeightSender(http_server(app.url), server_ranks=2, master_port=free_port(), timeout_s=30, deltas=True)
+    sender.update(perturbed(base, seed=18), weight_version="delta-base")
+    app.handle.update_weights_from_disk.remote(str(app.root / "base"), weight_version="base").result()
+    changed = perturbed(base, seed=18)
+    next(iter(changed.values())).view(-1)[0] += 1.0
+    with pytest.raises(WeightUpdateError, match=r"delta_from: the replicas serve \['base'\], not 'delta-base': send it whole"):
+        sender.update(changed, weight_version="delta-stale")
+    sender.group.close()
+    assert {version for version, _ in served(app).values()} == {"base"}
+
+
+def test_a_replica_killed_during_a_broadcast_never_leaves_the_replicas_on_two_versions(app, base, http):
+    """After a group update, the trainer waits while both replicas wait in the next update's
+    broadcast, one of them is killed, and the trainer sends: the update fails or is served by the
+    survivor alone, and the replica Serve starts in place of the dead one serves what the
+    coordinator committed (the first update: caught up from the copy the coordinator keeps), as
+    the survivor does."""
+    sender = group_sender(app, timeout_s=5)
+    sender.update(perturbed(base, seed=16), weight_version="group-16")
+    state = perturbed(base, seed=19)
+    body = {
+        "names": list(state),
+        "dtypes": [str(t.dtype).removeprefix("torch.") for t in state.values()],
+        "shapes": [list(t.shape) for t in state.values()],
+        "weight_version": "during-a-kill",
+    }
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(lambda: http.post(f"{app.url}/update_weights_from_distributed", json=body, timeout=120))
+        time.sleep(1.0)  # both replicas wait in the broadcast
+        workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if f"{APP_NAME}:RolloutWorker" in a.class_name]
+        ray.kill(ray.get_actor(workers[0].name, namespace="serve"))
+        try:
+            sender.group.send(state)
+        except WeightUpdateError:
+            pass  # the dead rank's end of the broadcast fails
+        answered = answer.result().json()
+    sender.group.close()
     deadline = time.monotonic() + 120
     while True:
         now = served(app)
@@ -537,4 +585,6 @@ def test_a_replica_that_restarts_after_a_group_update_catches_up_from_the_coordi
             break
         assert time.monotonic() < deadline, now
         time.sleep(1)
-    assert set(now.values()) == {("group-16", weights_checksum(updated.transformer))}
+    committed = (state, "during-a-kill") if answered["success"] else (perturbed(base, seed=16), "group-16")
+    expected = {(committed[1], weights_checksum(with_update(base, committed[0]).transformer))}
+    assert set(now.values()) == expected, (answered, now)
