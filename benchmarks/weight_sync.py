@@ -57,6 +57,10 @@ Reading the table:
   path does not: each replica's checksum (about 1.4 s per GB here), the kept copy. The group is
   for what this machine cannot show: NCCL on GPUs (no copy through host memory, no pickling), and
   a trainer on another node without Ray (no `ray.put`, no object store on its side).
+- Deltas are slower here too: the trainer compares every element with what it sent last, each
+  replica copies the tensors it serves to write the changes into, and the copy kept for later
+  replicas is packed whole, while the bytes a delta saves cost little on loopback. They pay where
+  bytes are dear: a network between the trainer's node and the replicas'.
 - Joining the group is paid once per trainer (the init column), not per update.
 """
 
