@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -455,11 +456,16 @@ class WeightCoordinator:
                 raise WeightUpdateError(
                     "delta_from", f"the replicas serve {sorted(served)}, not {clip(source.delta_from)!r}: send it whole"
                 )
-            source.broadcast_specs()  # one count per tensor, each within its tensor
         if source.lora_rank is not None:
             check_lora_config(source.lora_rank, source.lora_alpha, {spec.dtype for spec in source.specs})
             layout = lora_layout(layout, source.lora_rank, given)
         check_tensors(f"{module} weights", layout, given, "names")
+        # What the replicas allocate for the broadcast: never more than the module holds (a LoRA
+        # adapter of an absurd rank, or a delta larger than the tensors it changes).
+        broadcast = sum(spec.nbytes for spec in source.broadcast_specs())
+        held = sum(math.prod(entry.shape) * entry.dtype.itemsize for entry in self.layouts[module].values())
+        if broadcast > held:
+            raise WeightUpdateError("shapes", f"the broadcast takes {broadcast:,} bytes, more than {module}'s {held:,}")
 
     async def broadcast_command(self, command: Command) -> dict[str, Report]:
         """Runs a command that changes no weights (a checksum, releasing memory) on every live

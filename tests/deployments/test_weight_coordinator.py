@@ -14,10 +14,14 @@ from deployments.broadcast import Command, Report
 from deployments.weights import (
     ApplyWeights,
     DiskSource,
+    GroupSource,
     TensorSource,
     UndoWeights,
     WeightCoordinator,
 )
+from rollout.errors import WeightUpdateError
+from rollout.weight_sync import TensorSpec
+from rollout.weights import TensorLayout
 
 
 class Liveness:
@@ -210,3 +214,40 @@ def test_one_off_commands_reach_every_replica_but_weights_change_only_through_up
     reports, first = asyncio.run(scenario())
     assert set(reports) == {"first", "second"} and all(report.ok for report in reports.values())
     assert [kind for kind, _ in first.ran] == [Command]
+
+
+ABSURD_LORA = (
+    TensorSpec("w.lora_A.weight", torch.float32, (10**6, 4)),
+    TensorSpec("w.lora_B.weight", torch.float32, (4, 10**6)),
+)
+
+
+@pytest.mark.parametrize(
+    "source, problem",
+    [
+        (GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 4)),), 2**20), None),
+        (GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 5)),), 2**20), "names: transformer weights: w.weight has shape"),
+        (GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 4)), TensorSpec("w.weight", torch.float32, (4, 4))), 2**20), "named twice"),
+        # A LoRA adapter of an absurd rank: the replicas would allocate more than the module holds.
+        (
+            GroupSource("g", ABSURD_LORA, 2**20, lora_rank=10**6, lora_alpha=1.0),
+            "shapes: the broadcast takes 32,000,000 bytes, more than transformer's 64",
+        ),
+        # A delta of every element, larger than the tensor it changes.
+        (
+            GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 4)),), 2**20, delta_from="v0", changed=(16,)),
+            "shapes: the broadcast takes 192 bytes, more than transformer's 64",
+        ),
+        (GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 4)),), 2**20, delta_from="v9", changed=(1,)), "delta_from"),
+        (GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 4)),), 2**20, delta_from="v0", changed=(17,)), "changed: w.weight: 17"),
+    ],
+    ids=["fits", "shape", "twice", "lora-rank", "delta-larger", "delta-stale", "delta-count"],
+)
+def test_a_group_update_is_checked_against_the_served_layout_before_any_replica_allocates(source, problem):
+    c = coordinator()
+    c.layouts = {"transformer": {"w.weight": TensorLayout((4, 4), torch.float32)}}
+    if problem is None:
+        c._check_group_update(source)
+        return
+    with pytest.raises(WeightUpdateError, match=problem):
+        c._check_group_update(source)
