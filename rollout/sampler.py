@@ -269,11 +269,13 @@ class _TreeRun:
     held_frames: HeldFrames | None
     epochs: list[_Epoch]
 
-    def held_by(self, nodes: list[_Node]) -> HeldFrames | None:
-        """The frames each of `nodes` holds: its root's."""
-        if self.held_frames is None:
-            return None
-        return self.held_frames.select(torch.tensor([node.root for node in nodes], device=self.device))
+    def taken_by(self, pipeline: RolloutPipeline, nodes: list[_Node]) -> tuple[BucketedConditioning, HeldFrames | None]:
+        """What the model calls and the steps of `nodes` take from each one's root: its conditioning,
+        bucketed and padded to the calls' rows, and the frames it holds."""
+        roots = [node.root for node in nodes]
+        padded = pad_buckets(pipeline, self.conditioning.select(roots), self.options)
+        held = None if self.held_frames is None else self.held_frames.select(torch.tensor(roots, device=self.device))
+        return padded, held
 
     def start_epoch(self, first_step: int, nodes: list[_Node], parent: torch.Tensor | None, after_branch: bool) -> _Epoch:
         """A new epoch from `first_step` to the next branch step (or the last step), with a buffer
@@ -405,8 +407,7 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
         for r, root in enumerate(run.roots)
     ]
     epoch = run.start_epoch(0, nodes, None, after_branch=False)
-    padded_conditioning = pad_buckets(pipeline, run.conditioning, options)
-    held = run.held_by(nodes)
+    padded_conditioning, held = run.taken_by(pipeline, nodes)
     transformer_rows = 0
     x_t = _draw_noise([node.generator for node in nodes], run.latent_shape, device)
     if held is not None:  # as the pipeline's first model input
@@ -418,8 +419,7 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
             nodes = [epoch.nodes[row] for row in kept]
             epoch = run.start_epoch(step, nodes, torch.tensor(kept, dtype=torch.int64), after_branch=False)
             x_t = x_t[torch.tensor(kept, device=x_t.device)]
-            padded_conditioning = pad_buckets(pipeline, run.conditioning.select([node.root for node in nodes]), options)
-            held = run.held_by(nodes)
+            padded_conditioning, held = run.taken_by(pipeline, nodes)
         if step == options.num_inference_steps:  # the check before decoding
             break
         timestep, expert = run.schedule.model_timesteps[step], run.schedule.expert_at(step)
@@ -429,8 +429,7 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
             nodes, parent = _branch(run.roots, epoch.nodes, step)
             epoch = run.start_epoch(step, nodes, parent, after_branch=True)
             x_t, v = x_t[parent.to(x_t.device)], v[parent.to(v.device)]
-            padded_conditioning = pad_buckets(pipeline, run.conditioning.select([node.root for node in nodes]), options)
-            held = run.held_by(nodes)
+            padded_conditioning, held = run.taken_by(pipeline, nodes)
         kind = options.transition_at(step)
         noise = _draw_noise([node.generator for node in nodes], run.latent_shape, device) if kind.draws_noise else None
         transition = take_step(

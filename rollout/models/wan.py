@@ -53,6 +53,10 @@ if TYPE_CHECKING:
     from rollout.input_images import InputImage
 
 
+# The `image_kwargs` entry of a held first frame's latents `(1, C, 1, H', W')`.
+_FIRST_FRAME = "first_frame_latents"
+
+
 def first_frame_condition(frames_per_latent: int, least_per_prompt: int) -> ConditionImageRule:
     """Wan2.2-TI2V-5B's image: the first latent frame, held (the module docstring). It adds no
     tokens, and a video needs a latent frame after it."""
@@ -63,7 +67,6 @@ def first_frame_condition(frames_per_latent: int, least_per_prompt: int) -> Cond
         "encoded alone as latent frame 0, which every step holds",
         least_frames=frames_per_latent + 1,
     )
-
 
 
 class WanFamily(DiffusersFamily):
@@ -155,7 +158,7 @@ class WanFamily(DiffusersFamily):
             return super().encode_images(images, options)
         (image,) = images
         pixels = self.pipe.video_processor.preprocess(image.to_pil(), height=options.height, width=options.width)
-        return {"first_frame_latents": self.encode_video(pixels.to(self.device, torch.float32).unsqueeze(2))}
+        return {_FIRST_FRAME: self.encode_video(pixels.to(self.device, torch.float32).unsqueeze(2))}
 
     def encode_video(self, video: torch.Tensor) -> torch.Tensor:
         """The VAE's latents of a pixel video `(1, 3, F, H, W)` in [-1, 1], fp32, as the
@@ -175,9 +178,9 @@ class WanFamily(DiffusersFamily):
         values = None
         for bucket in conditioning.buckets:
             image = bucket.conditioning.image_kwargs or {}
-            if "first_frame_latents" not in image:  # a prompt without an image
+            if _FIRST_FRAME not in image:  # a prompt without an image
                 continue
-            first_frames = image["first_frame_latents"][: len(bucket.rows)].float().cpu()
+            first_frames = image[_FIRST_FRAME][: len(bucket.rows)].float().cpu()
             if values is None:
                 values = first_frames.new_zeros((len(conditioning), *first_frames.shape[1:]))
             values[bucket.rows] = first_frames
@@ -213,7 +216,7 @@ class WanFamily(DiffusersFamily):
             _, frames, height, width = x_t.shape[1:]
             per_frame = (height // self.patch_size) * (width // self.patch_size)
             timestep = timestep.unsqueeze(1).expand(-1, frames * per_frame)
-            if "first_frame_latents" in (conditioning.image_kwargs or {}):
+            if _FIRST_FRAME in (conditioning.image_kwargs or {}):
                 timestep = torch.cat([torch.zeros_like(timestep[:, :per_frame]), timestep[:, per_frame:]], dim=1)
         hidden_states, image_inputs = self.denoiser_inputs(x_t, conditioning)
         velocity = self.run_transformer(hidden_states, timestep, expert, **conditioning.pos_cond_kwargs, **image_inputs)
