@@ -10,6 +10,7 @@ text encoders): `TinyFamily.build` imports those where a copy is built.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -179,6 +180,15 @@ class TinyFamily:
         return getattr(builders, self.builder)(path, **widths)
 
 
+_WAN22_TI2V = TinyFamily(
+    "wan22_ti2v",
+    WanFamily,
+    "build_tiny_wan22_ti2v",
+    guided={"guidance_scale": 4.0},
+    unguided={"guidance_scale": 1.0},
+    frames=5,
+    token_pixels=32,  # the Wan2.2 VAE's factor 16
+)
 TINY_FAMILIES: dict[str, TinyFamily] = {
     record.name: record
     for record in (
@@ -326,24 +336,11 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             unguided={"guidance_scale": 1.0},
             frames=5,
         ),
-        TinyFamily(
-            "wan22_ti2v",
-            WanFamily,
-            "build_tiny_wan22_ti2v",
-            guided={"guidance_scale": 4.0},
-            unguided={"guidance_scale": 1.0},
-            frames=5,
-            token_pixels=32,  # the Wan2.2 VAE's factor 16
-        ),
-        TinyFamily(
+        _WAN22_TI2V,
+        dataclasses.replace(
             # The same TI2V copy, its prompts given images: latent frame 0 held (rollout/models/wan.py).
-            "wan22_ti2v_image",
-            WanFamily,
-            "build_tiny_wan22_ti2v",
-            guided={"guidance_scale": 4.0},
-            unguided={"guidance_scale": 1.0},
-            frames=5,
-            token_pixels=32,
+            _WAN22_TI2V,
+            name="wan22_ti2v_image",
             requests=RequestSpace(
                 WORDS,
                 budget=2,
