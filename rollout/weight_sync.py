@@ -62,6 +62,15 @@ def specs_of(named_tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
     return [TensorSpec.of(name, tensor) for name, tensor in named_tensors.items()]
 
 
+def spec_lists(specs: Sequence[TensorSpec]) -> dict[str, list]:
+    """SGLang's three parallel lists for `specs`: `names`, `dtypes` and `shapes` (`iter_specs`'s inverse)."""
+    return {
+        "names": [spec.name for spec in specs],
+        "dtypes": [str(spec.dtype).removeprefix("torch.") for spec in specs],
+        "shapes": [list(spec.shape) for spec in specs],
+    }
+
+
 def iter_specs(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> Iterator[TensorSpec]:
     """SGLang's three parallel lists (`update_weights_from_distributed`) as specs; raises
     `WeightUpdateError` naming the field."""
@@ -410,9 +419,7 @@ class WeightSender:
         specs = specs_of(named_tensors)
         delta = None if whole or lora_rank is not None else self._delta(named_tensors)
         body = {
-            "names": [spec.name for spec in specs],
-            "dtypes": [str(spec.dtype).removeprefix("torch.") for spec in specs],
-            "shapes": [list(spec.shape) for spec in specs],
+            **spec_lists(specs),
             "group_name": self.group_name,
             "weight_version": weight_version,
             "target_modules": None if target_modules is None else list(target_modules),

@@ -29,7 +29,7 @@ from rollout.errors import InvalidRequestError, WeightUpdateError
 from rollout.models.digits import DEFAULT_WEIGHTS
 from rollout.models.registry import load_pipeline
 from rollout.replay import replay_log_probs, transition_log_probs
-from rollout.weight_sync import WeightSender, handle_server, http_server
+from rollout.weight_sync import WeightSender, handle_server, http_server, spec_lists, specs_of
 from rollout.weights import apply_update, tensor_update, weights_checksum
 from tests.ports import free_port
 
@@ -363,21 +363,31 @@ def test_a_weight_version_that_would_reach_every_row_is_refused_on_both_paths(ap
         app.handle.update_weights_from_disk.remote("/x", weight_version="a b").result()
 
 
+def kill_a_worker() -> str:
+    """Kills one of the app's worker replicas; its replica id."""
+    workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if f"{APP_NAME}:RolloutWorker" in a.class_name]
+    ray.kill(ray.get_actor(workers[0].name, namespace="serve"))
+    return workers[0].name.split("#")[-1]
+
+
+def served_after_replacing(app, killed: str) -> dict:
+    """`served(app)` once Serve has replaced the killed replica (a dead replica is noticed and dropped)."""
+    deadline = time.monotonic() + 120
+    while True:
+        now = served(app)
+        if len(now) == 2 and killed not in now:
+            return now
+        assert time.monotonic() < deadline, now
+        time.sleep(1)
+
+
 def test_a_replica_that_restarts_catches_up(app, base):
     updated = with_update(base, perturbed(base, seed=7))
     app.handle.update_weights_from_tensor.remote(
         ObjectStoreTensors(ray.put(perturbed(base, seed=7))), weight_version="v7"
     ).result()
-    workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if f"{APP_NAME}:RolloutWorker" in a.class_name]
-    ray.kill(ray.get_actor(workers[0].name, namespace="serve"))
-    deadline = time.monotonic() + 120
-    while True:
-        now = served(app)  # a dead replica is noticed and dropped
-        if len(now) == 2 and workers[0].name.split("#")[-1] not in now:
-            break
-        assert time.monotonic() < deadline, now
-        time.sleep(1)
-    assert set(now.values()) == {("v7", weights_checksum(updated.transformer))}
+    killed = kill_a_worker()
+    assert set(served_after_replacing(app, killed).values()) == {("v7", weights_checksum(updated.transformer))}
 
 
 def test_the_grpo_example_trains_on_policy(app, base):
@@ -496,12 +506,7 @@ def test_a_refused_group_update_leaves_every_replica_on_the_old_weights(app, bas
 def test_a_trainer_gone_mid_update_times_out_closes_the_group_and_sampling_goes_on(app, base, http):
     sender = group_sender(app, timeout_s=2)
     state = perturbed(base, seed=15)
-    body = {
-        "names": list(state),
-        "dtypes": [str(t.dtype).removeprefix("torch.") for t in state.values()],
-        "shapes": [list(t.shape) for t in state.values()],
-        "weight_version": "never",
-    }
+    body = {**spec_lists(specs_of(state)), "weight_version": "never"}
     sender.group.close()  # the trainer is gone: nothing is broadcast
     response = http.post(f"{app.url}/update_weights_from_distributed", json=body, timeout=60)
     assert response.status_code == 400
@@ -561,30 +566,18 @@ def test_a_replica_killed_during_a_broadcast_never_leaves_the_replicas_on_two_ve
     sender = group_sender(app, timeout_s=5)
     sender.update(perturbed(base, seed=16), weight_version="group-16")
     state = perturbed(base, seed=19)
-    body = {
-        "names": list(state),
-        "dtypes": [str(t.dtype).removeprefix("torch.") for t in state.values()],
-        "shapes": [list(t.shape) for t in state.values()],
-        "weight_version": "during-a-kill",
-    }
+    body = {**spec_lists(specs_of(state)), "weight_version": "during-a-kill"}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(lambda: http.post(f"{app.url}/update_weights_from_distributed", json=body, timeout=120))
         time.sleep(1.0)  # both replicas wait in the broadcast
-        workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if f"{APP_NAME}:RolloutWorker" in a.class_name]
-        ray.kill(ray.get_actor(workers[0].name, namespace="serve"))
+        killed = kill_a_worker()
         try:
             sender.group.send(state)
         except WeightUpdateError:
             pass  # the dead rank's end of the broadcast fails
         answered = answer.result().json()
     sender.group.close()
-    deadline = time.monotonic() + 120
-    while True:
-        now = served(app)
-        if len(now) == 2 and workers[0].name.split("#")[-1] not in now:
-            break
-        assert time.monotonic() < deadline, now
-        time.sleep(1)
+    now = served_after_replacing(app, killed)
     committed = (state, "during-a-kill") if answered["success"] else (perturbed(base, seed=16), "group-16")
     expected = {(committed[1], weights_checksum(with_update(base, committed[0]).transformer))}
     assert set(now.values()) == expected, (answered, now)
