@@ -1,5 +1,6 @@
-"""Time to push new weights to every worker replica: through the object store, and over a
-weight-update group (`rollout.weight_sync`), in alternating rounds on the same application.
+"""Time to push new weights to every worker replica: through the object store, over a
+weight-update group, and in shared memory (`rollout.weight_sync`), in alternating rounds on the
+same application.
 
     python -m benchmarks.weight_sync --output docs/weight_sync.md
 
@@ -11,6 +12,9 @@ embedded architecture scaled to that size (random weights, saved to a temporary 
   shapes, then `handle.update_weights_from_tensor(ObjectStoreTensors(ref))`;
 - group: `WeightSender.update(state_dict)`, which posts the update through the handle while it
   broadcasts the tensors in 512 MiB buckets;
+- shared memory: `SharedMemorySender.update(state_dict)`, which packs the tensors into 512 MiB
+  buckets of POSIX shared memory it keeps between updates, and posts the update naming them; each
+  replica copies them out;
 - group delta: a second group whose sender sends deltas (`deltas=True`): each round changes
   `--changed` of the elements (2% by default: a fine-tune step in bf16 changes 1-3%, as verl
   measures) of the state it sent last, and only those go over the wire.
@@ -39,7 +43,7 @@ from deployments.app import build_app
 from deployments.weights import ObjectStoreTensors
 from rollout.models.choice import EMBEDDED_MODEL
 from rollout.models.digits import IMAGE_SIZE, DigitFlowPipeline, DigitPromptEncoder
-from rollout.weight_sync import WeightSender, handle_server
+from rollout.weight_sync import SharedMemorySender, WeightSender, handle_server
 from tests.ports import free_port
 
 NOTES = """
@@ -111,7 +115,12 @@ def measure(name: str, layers: int, heads: int, repeats: int, directory: Path, c
         assert answer["success"]
         group_messages.append(answer["message"])
 
-    paths = {"object_store": through_the_object_store, "group": over_the_group}
+    shared_sender = SharedMemorySender(handle_server(handle))
+
+    def in_shared_memory(state_dict: dict, version: str):
+        assert shared_sender.update(state_dict, weight_version=version)["success"]
+
+    paths = {"object_store": through_the_object_store, "group": over_the_group, "shared_memory": in_shared_memory}
     times: dict[str, list[float]] = {path: [] for path in (*paths, "whole", "delta")}
     for repeat in range(-1, repeats):  # -1: a warm-up of each, not counted
         for path, update in paths.items():
@@ -139,8 +148,9 @@ def measure(name: str, layers: int, heads: int, repeats: int, directory: Path, c
     served = handle.info.remote().result()["replica_weight_versions"]
     assert len(served) == 2 and set(served.values()) == {f"delta-{repeats - 1}"}, served
     sender.close()
+    shared_sender.close()
     serve.delete(app)
-    object_store, group = (statistics.median(times[path]) for path in paths)
+    object_store, group, shared = (statistics.median(times[path]) for path in paths)
     whole, delta = (statistics.median(times[path]) for path in ("whole", "delta"))
     return {
         "size": name,
@@ -150,12 +160,15 @@ def measure(name: str, layers: int, heads: int, repeats: int, directory: Path, c
         "object_store_s": round(object_store, 3),
         "group_s": round(group, 3),
         "speedup": round(object_store / group, 2),
+        "shared_memory_s": round(shared, 3),
+        "shared_speedup": round(object_store / shared, 2),
         "whole_s": round(whole, 3),
         "delta_s": round(delta, 3),
         "whole_runs_s": [round(t, 3) for t in times["whole"]],
         "delta_runs_s": [round(t, 3) for t in times["delta"]],
         "object_store_runs_s": [round(t, 3) for t in times["object_store"]],
         "group_runs_s": [round(t, 3) for t in times["group"]],
+        "shared_memory_runs_s": [round(t, 3) for t in times["shared_memory"]],
         "last_group_update": group_messages[-1],  # each replica's stage times
     }
 
@@ -170,15 +183,16 @@ def markdown(results: list[dict], repeats: int, changed: float) -> str:
         f"2 worker replicas on this node; median of {repeats} updates of random fp32 tensors shaped like the "
         "scaled transformer's, each path in turn.",
         "",
-        "| size | tensors | object store: put + update (s) | group: broadcast + update (s) | group / object store "
-        "| group init, once (s) | object store runs (s) | group runs (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| size | tensors | object store: put + update (s) | group: broadcast + update (s) | shared memory: pack + "
+        "update (s) | object store / group | object store / shared memory | group init, once (s) | object store runs "
+        "(s) | group runs (s) | shared memory runs (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        store_runs, group_runs = (", ".join(map(str, r[key])) for key in ("object_store_runs_s", "group_runs_s"))
+        runs = (", ".join(map(str, r[f"{path}_runs_s"])) for path in ("object_store", "group", "shared_memory"))
         lines.append(
-            f"| {r['mib']} MiB | {r['tensors']} | {r['object_store_s']} | {r['group_s']} | {r['speedup']}x faster | "
-            f"{r['init_s']} | {store_runs} | {group_runs} |"
+            f"| {r['mib']} MiB | {r['tensors']} | {r['object_store_s']} | {r['group_s']} | {r['shared_memory_s']} | "
+            f"{r['speedup']}x | {r['shared_speedup']}x | {r['init_s']} | {' | '.join(runs)} |"
         )
     lines += [
         "",

@@ -34,6 +34,7 @@ from rollout.errors import (
     RequestSchemaError,
     RolloutError,
     ScorerError,
+    WeightUpdateError,
 )
 
 
@@ -65,6 +66,7 @@ ERROR_ANSWERS: dict[type[Exception], ErrorAnswer] = {
     RequestSchemaError: ErrorAnswer(422, lambda error: error.errors),
     InvalidRequestError: ErrorAnswer(400, lambda error: f"Invalid sampling params: {error}"),
     WeightVersionError: ErrorAnswer(409),
+    WeightUpdateError: ErrorAnswer(400),  # refused at the ingress, before the coordinator (its refusals answer 400 too)
     MemoryReleasedError: ErrorAnswer(503, lambda _: "Server is sleeping. Call resume_memory_occupation first."),
     DeadlineExceededError: ErrorAnswer(504, field="rollout_timeout_s"),
     ServiceUnavailableError: ErrorAnswer(503, lambda error: f"Service unavailable: {error}"),

@@ -1,16 +1,17 @@
 """Releasing a worker replica's accelerator memory between rollouts, and taking it back
-(SGLang's `release_memory_occupation` / `resume_memory_occupation`): the weights go to the CPU
-and back, broadcast to every replica like any command (`deployments/broadcast.py`)."""
+(SGLang's `release_memory_occupation` / `resume_memory_occupation`): the weights go to host memory
+and back (`rollout.offload`, pinned on a GPU), broadcast to every replica like any command
+(`deployments/broadcast.py`)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from deployments.broadcast import Command, Report
 from rollout.errors import RolloutError
+from rollout.offload import HostCopies
 
 if TYPE_CHECKING:
     from rollout.models.base import RolloutPipeline
@@ -27,7 +28,7 @@ class MemoryCommandError(RolloutError):
 
 @dataclass(frozen=True)
 class ReleaseMemory(Command):
-    """Move the weights to the CPU; the replica samples nothing until `ResumeMemory`."""
+    """Move the weights to host memory; the replica samples nothing until `ResumeMemory`."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class MemoryOccupation:
         self.pipeline = pipeline
         self.released = False
         self._device = pipeline.device
+        self._host_copies = HostCopies(pipeline.weight_modules, self._device)
 
     def handlers(self) -> dict[type[Command], Any]:
         return {ReleaseMemory: self.release, ResumeMemory: self.resume}
@@ -49,26 +51,25 @@ class MemoryOccupation:
     def release(self, command: ReleaseMemory) -> Report:
         if self.released:
             return Report(True, "already released")
-        self._move_weights(torch.device("cpu"))
-        if self._device.type == "cuda":
-            torch.cuda.empty_cache()
+        moved = self._moved(self._host_copies.to_host)
         self.released = True
-        return Report(True, f"released ({self._where(torch.device('cpu'))})")
+        return Report(True, f"released ({moved})")
 
     def resume(self, command: ResumeMemory) -> Report:
         if not self.released:
             return Report(True, "already awake")
-        self._move_weights(self._device)
+        moved = self._moved(self._host_copies.to_device)
         self.released = False
-        return Report(True, f"resumed ({self._where(self._device)})")
+        return Report(True, f"resumed ({moved})")
 
     def check_awake(self) -> None:
         if self.released:
             raise MemoryReleasedError("the replica released its memory; call resume_memory_occupation first")
 
-    def _move_weights(self, device: torch.device) -> None:
-        for module in self.pipeline.weight_modules.values():
-            module.to(device)
-
-    def _where(self, device: torch.device) -> str:
-        return "nothing to move on the CPU" if self._device.type == "cpu" else f"weights on {device}"
+    def _moved(self, move) -> str:
+        if self._device.type == "cpu":
+            return "nothing to move on the CPU"
+        start = time.perf_counter()
+        nbytes = move()
+        seconds = time.perf_counter() - start
+        return f"{nbytes / 2**30:.2f} GiB in {seconds:.2f} s, {nbytes / 2**30 / max(seconds, 1e-9):.1f} GiB/s"

@@ -35,7 +35,7 @@ from ray.serve.schema import LoggingConfig
 from deployments.broadcast import Command, CommandLog, Posted, Report
 from rollout.checkpoints import UnreadableCheckpointError, disk_update
 from rollout.errors import RolloutError, WeightUpdateError, clip
-from rollout.weight_sync import PackedTensors, TensorSpec, WeightGroup, delta_specs, with_delta
+from rollout.weight_sync import PackedTensors, SharedBucket, TensorSpec, WeightGroup, copy_out, delta_specs, with_delta
 from rollout.weights import (
     DEFAULT_TARGET_MODULE,
     TensorLayout,
@@ -100,12 +100,12 @@ class TensorSource:
     lora_alpha: float | None = None
 
 
-@dataclass(frozen=True)
-class GroupSource:
-    """An update broadcast over the weight-update group `group_name`: its tensors' specs and the
-    bucket size the trainer packs them with, and the LoRA fields as for `TensorSource`."""
+@dataclass(frozen=True, kw_only=True)
+class PackedSource:
+    """An update packed in buckets (`rollout.weight_sync`): its tensors' specs, the bucket size the
+    trainer packs them with, the LoRA fields as for `TensorSource`, and how its bytes arrive (the
+    subclasses)."""
 
-    group_name: str
     specs: tuple[TensorSpec, ...]
     bucket_bytes: int
     target_modules: list[str] | None = None
@@ -115,9 +115,29 @@ class GroupSource:
     delta_from: str | None = None  # a delta: changes to this version, `changed` elements per tensor
     changed: tuple[int, ...] | None = None
 
-    def broadcast_specs(self) -> list[TensorSpec]:
-        """What the trainer broadcasts: the tensors, or their changed elements."""
+    def packed_specs(self) -> list[TensorSpec]:
+        """What the trainer packs: the tensors, or their changed elements."""
         return list(self.specs) if self.delta_from is None else delta_specs(self.specs, self.changed or ())
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSource(PackedSource):
+    """An update broadcast over the weight-update group `group_name`."""
+
+    group_name: str
+
+    def __str__(self) -> str:
+        return f"received over group {self.group_name!r}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedMemorySource(PackedSource):
+    """An update whose buckets a trainer on the replicas' machine shares in memory (`buckets`)."""
+
+    buckets: tuple[SharedBucket, ...]
+
+    def __str__(self) -> str:
+        return "copied out of the trainer's shared memory"
 
 
 @dataclass(frozen=True)
@@ -189,13 +209,14 @@ class JoinWeightGroup(Command):
 
 @dataclass(frozen=True)
 class ReceiveWeights(Command):
-    """Receive the tensors the trainer broadcasts over the group, then serve them under `version`
-    as `ApplyWeights` would (`number` names it for its undo); `copy_by` puts what arrived in the
-    object store and hands back its reference, for replicas that start later."""
+    """Receive the tensors the trainer packed (broadcast over the group, or shared in memory), then
+    serve them under `version` as `ApplyWeights` would (`number` names it for its undo); `copy_by`
+    puts what arrived in the object store and hands back its reference, for replicas that start
+    later."""
 
     number: int
     version: str
-    source: GroupSource
+    source: PackedSource
     copy_by: str
 
 
@@ -300,13 +321,15 @@ class WeightCoordinator:
         served = {replica: self.served.get(replica) for replica in self.commands.replicas}
         return {"weight_version": self.version, "replicas": served}
 
-    async def update(self, source: DiskSource | TensorSource | GroupSource, version: str | None = None) -> UpdateResult:
+    async def update(self, source: DiskSource | TensorSource | PackedSource, version: str | None = None) -> UpdateResult:
         """Applies an update on every live replica, all or nothing."""
         async with self._one_at_a_time:
             if not self.commands.replicas:
                 return UpdateResult(False, "no worker replica is running", self.version)
             if isinstance(source, GroupSource):
                 return await self._update_from_group(source, version)
+            if isinstance(source, SharedMemorySource):
+                return await self._update_from_shared_memory(source, version)
             try:
                 committed = await self._apply_command(source, version)
             except UnreadableCheckpointError as error:  # the same answer for every such path; its cause only here
@@ -388,15 +411,35 @@ class WeightCoordinator:
                 raise WeightUpdateError(
                     "group_name", f"the replicas changed since group {name!r} was made, so its broadcast cannot complete"
                 )
-            self._check_group_update(source)
+            self._check_packed_update(source)
         except WeightUpdateError as error:
             await self._leave(name)
             return UpdateResult(False, f"{error}; group {name!r} is closed: init a new one", self.version)
+        result, group_lost = await self._update_from_packed(source, version, sorted(ranks, key=ranks.get))
+        if group_lost:
+            await self._leave(name)
+            return dataclasses.replace(result, message=f"{result.message}; group {name!r} is closed: init a new one")
+        return result
+
+    async def _update_from_shared_memory(self, source: SharedMemorySource, version: str | None) -> UpdateResult:
+        try:
+            self._check_packed_update(source)
+        except WeightUpdateError as error:
+            return UpdateResult(False, str(error), self.version)
+        result, _ = await self._update_from_packed(source, version, sorted(self.commands.replicas))
+        return result
+
+    async def _update_from_packed(
+        self, source: PackedSource, version: str | None, replicas: list[str]
+    ) -> tuple[UpdateResult, bool]:
+        """Every one of `replicas` receives the packed update and serves it, or none does; the first
+        keeps a copy for replicas that start later. Also says whether a replica was lost or left
+        the group, which a group's broadcast cannot go on without."""
         seq = self.commands.next_seq()
         version = version or f"update-{seq}"
-        copy_by = min(ranks, key=ranks.get)
+        copy_by = replicas[0]
         reports = await self.commands.broadcast(ReceiveWeights(seq, version, source, copy_by), seq=seq)
-        failed = _refusals(reports) | {replica: "left during the update" for replica in set(ranks) - set(reports)}
+        failed = _refusals(reports) | {replica: "left during the update" for replica in set(replicas) - set(reports)}
         took = [replica for replica, report in reports.items() if report.ok]
         checksums = {replica: reports[replica].result["checksum"] for replica in took}
         if not failed and source.checksum is not None:
@@ -409,11 +452,8 @@ class WeightCoordinator:
             failed = {replica: f"serves checksum {checksum}, which others do not" for replica, checksum in checksums.items()}
         if failed:
             await self.commands.broadcast(UndoWeights(seq), only=took)
-            lost = len(reports) < len(ranks) or any(report.result == "group closed" for report in reports.values())
-            if lost:
-                await self._leave(name)
-            closed = f"; group {name!r} is closed: init a new one" if lost else ""
-            return UpdateResult(False, _refused("update", failed, "undone on the others") + closed, self.version, failed)
+            lost = len(reports) < len(replicas) or any(report.result == "group closed" for report in reports.values())
+            return UpdateResult(False, _refused("update", failed, "undone on the others"), self.version, failed), lost
         args = dict(target_modules=source.target_modules, lora_rank=source.lora_rank, lora_alpha=source.lora_alpha)
         module = frozenset([single_target(source.target_modules)])
         full, lora = (frozenset(), module) if source.lora_rank is not None else (module, frozenset())
@@ -423,8 +463,8 @@ class WeightCoordinator:
         # Owned here once copied here, it outlives that replica; meanwhile the trainer has its answer.
         self._owning = asyncio.create_task(self._own_copy(committed))
         stages = "; ".join(f"{replica}: {reports[replica].message}" for replica in took)
-        message = f"weights {version!r} served by {len(took)} replica(s), received over group {name!r} ({stages})"
-        return UpdateResult(True, message, version, checksums=checksums)
+        message = f"weights {version!r} served by {len(took)} replica(s), {source} ({stages})"
+        return UpdateResult(True, message, version, checksums=checksums), False
 
     async def _own_copy(self, committed: _Committed) -> None:
         """Replaces `committed`'s tensors, owned by the replica that put them, by a copy put here."""
@@ -438,7 +478,7 @@ class WeightCoordinator:
             kept = dataclasses.replace(committed, posted=Posted(committed.posted.seq, dataclasses.replace(apply, update=[owned])))
             self.committed[self.committed.index(committed)] = kept
 
-    def _check_group_update(self, source: GroupSource) -> None:
+    def _check_packed_update(self, source: PackedSource) -> None:
         """The tensors' specs against the layout of the module they are for, as a checkpoint's header
         is checked: before any replica allocates a byte for them."""
         module = single_target(source.target_modules)
@@ -451,7 +491,7 @@ class WeightCoordinator:
         if source.delta_from is not None:
             if source.lora_rank is not None:
                 raise WeightUpdateError("delta_from", "a LoRA adapter is sent whole, not as a delta")
-            served = set(self.served.values()) | {self.version}
+            served = {self.served.get(replica) for replica in self.commands.replicas} | {self.version}
             if served != {source.delta_from}:
                 raise WeightUpdateError(
                     "delta_from", f"the replicas serve {sorted(served)}, not {clip(source.delta_from)!r}: send it whole"
@@ -460,12 +500,12 @@ class WeightCoordinator:
             check_lora_config(source.lora_rank, source.lora_alpha, {spec.dtype for spec in source.specs})
             layout = lora_layout(layout, source.lora_rank, given)
         check_tensors(f"{module} weights", layout, given, "names")
-        # What the replicas allocate for the broadcast: never more than the module holds (a LoRA
+        # What the replicas allocate for the update: never more than the module holds (a LoRA
         # adapter of an absurd rank, or a delta larger than the tensors it changes).
-        broadcast = sum(spec.nbytes for spec in source.broadcast_specs())
+        packed = sum(spec.nbytes for spec in source.packed_specs())
         held = sum(math.prod(entry.shape) * entry.dtype.itemsize for entry in self.layouts[module].values())
-        if broadcast > held:
-            raise WeightUpdateError("shapes", f"the broadcast takes {broadcast:,} bytes, more than {module}'s {held:,}")
+        if packed > held:
+            raise WeightUpdateError("shapes", f"the update takes {packed:,} bytes, more than {module}'s {held:,}")
 
     async def broadcast_command(self, command: Command) -> dict[str, Report]:
         """Runs a command that changes no weights (a checksum, releasing memory) on every live
@@ -576,19 +616,25 @@ class ServedWeights:
         return Report(True, f"rank {command.ranks[self.replica]}")
 
     def receive(self, command: ReceiveWeights) -> Report:
-        """The trainer's broadcast, applied as `apply` applies tensors; the report's result holds the
-        checksum of the updated module and, from `copy_by`, what arrived, in the object store. Its
-        message says how long each stage took."""
+        """The trainer's packed update, applied as `apply` applies tensors; the report's result holds
+        the checksum of the updated module and, from `copy_by`, what arrived, in the object store.
+        Its message says how long each stage took."""
         source = command.source
-        group = self._groups.get(source.group_name)
-        if group is None:
-            return Report(False, f"not in group {source.group_name!r}", result="group closed")
         stages = _Stages()
-        try:
-            packed = group.receive(source.broadcast_specs(), source.bucket_bytes)
-        except WeightUpdateError as error:  # the trainer or a peer is gone: the group cannot be used again
-            self.leave_group(LeaveWeightGroup(source.group_name))
-            return Report(False, str(error), result="group closed")
+        if isinstance(source, GroupSource):
+            group = self._groups.get(source.group_name)
+            if group is None:
+                return Report(False, f"not in group {source.group_name!r}", result="group closed")
+            try:
+                packed = group.receive(source.packed_specs(), source.bucket_bytes)
+            except WeightUpdateError as error:  # the trainer or a peer is gone: the group cannot be used again
+                self.leave_group(LeaveWeightGroup(source.group_name))
+                return Report(False, str(error), result="group closed")
+        else:
+            try:
+                packed = copy_out(source.buckets, source.packed_specs(), source.bucket_bytes, self.pipeline.device)
+            except WeightUpdateError as error:
+                return Report(False, str(error))
         stages.done("received")
         module = self.pipeline.weight_modules[single_target(source.target_modules)]
         tensors = packed.tensors()

@@ -306,17 +306,16 @@ class InitWeightsUpdateGroupRequest(BaseModel):
     )
 
 
-class UpdateWeightsFromDistributedRequest(BaseModel):
-    """`POST /update_weights_from_distributed`: SGLang's body (the tensors' names, dtypes and
-    shapes; their bytes come over the group, broadcast by rank 0), the LoRA fields as on the
-    tensor route, and the bucket size the trainer packs with."""
+class PackedUpdateRequest(BaseModel):
+    """What an update packed in buckets (`rollout.weight_sync`) says of its tensors: SGLang's names,
+    dtypes and shapes, the LoRA fields as on the tensor route, and the bucket size the trainer packs
+    with; their bytes come another way (a group's broadcast, or memory the trainer shares)."""
 
     model_config = ConfigDict(extra="forbid")
 
     names: Items[Annotated[str, Field(max_length=512)]] = Field(max_length=200_000)
     dtypes: Items[str] = Field(max_length=200_000, description="torch dtype names, as 'bfloat16'.")
     shapes: Items[Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=8)]] = Field(max_length=200_000)
-    group_name: str = Field("rollout", min_length=1, max_length=128)
     weight_version: str | None = Field(None, description="Name of the new weights.")
     target_modules: Items[str] | None = Field(None, description="The one module the tensors are for. Default: transformer.")
     lora_rank: int | None = Field(None, description="With LoRA tensors: the adapter's rank.")
@@ -331,6 +330,52 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
         "(`changed`, one count per tensor) are changes to.",
     )
     changed: Items[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=200_000)
+
+
+class UpdateWeightsFromDistributedRequest(PackedUpdateRequest):
+    """`POST /update_weights_from_distributed`: SGLang's body; the buckets are broadcast by rank 0
+    of the weight-update group `group_name`."""
+
+    group_name: str = Field("rollout", min_length=1, max_length=128)
+
+
+# The names a trainer gives the shared-memory segments of its buckets (`rollout.weight_sync`): a
+# replica opens no other segment.
+SHARED_MEMORY_NAME = r"^rollout_ws_[A-Za-z0-9_]{1,64}$"
+_IPC_BYTES = Annotated[str, Field(max_length=1024, pattern=r"^([0-9a-f]{2})*$")]
+
+
+class CudaIpcBucket(BaseModel):
+    """A bucket in the trainer's GPU memory: the fields of `torch.UntypedStorage._share_cuda_` for
+    its storage (the byte strings as hex), which a replica on the same GPU maps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    handle: _IPC_BYTES
+    storage_bytes: int = Field(ge=0)
+    storage_offset: int = Field(ge=0)
+    ref_counter_handle: _IPC_BYTES
+    ref_counter_offset: int = Field(ge=0)
+    event_handle: _IPC_BYTES
+    event_sync_required: bool
+
+
+class SharedBucketRequest(BaseModel):
+    """One bucket a trainer shares with the replicas on its machine: a POSIX shared-memory segment
+    (`shm_name`, for a bucket in host memory) or a CUDA IPC handle (`cuda_ipc`); exactly one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shm_name: str | None = Field(None, pattern=SHARED_MEMORY_NAME)
+    cuda_ipc: CudaIpcBucket | None = None
+
+
+class UpdateWeightsFromSharedMemoryRequest(PackedUpdateRequest):
+    """`POST /update_weights_from_shared_memory` (extension): a trainer on the replicas' machine
+    packs the update's buckets into memory it shares (`rollout.weight_sync.SharedMemorySender`);
+    every replica copies them out. No group, no collective."""
+
+    buckets: Items[SharedBucketRequest] = Field(max_length=65_536, description="Each bucket's memory, in order.")
 
 
 class DestroyWeightsUpdateGroupRequest(BaseModel):

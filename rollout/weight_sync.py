@@ -1,5 +1,6 @@
-"""Weights from a trainer to every worker replica over one process group (SGLang's weight-update
-group): a collective broadcast in flat buckets, instead of the object store.
+"""Weights from a trainer to every worker replica in flat buckets, instead of the object store:
+broadcast over one process group (SGLang's weight-update group), or, for a trainer on the replicas'
+machine, shared with them in memory they map (POSIX shared memory, or CUDA IPC on a GPU).
 
 The trainer is rank 0 of a `torch.distributed` group (gloo on the CPU, NCCL on GPUs) that every
 worker replica joins (`deployments/weights.py`). An update is the tensors' names, dtypes and shapes,
@@ -12,16 +13,25 @@ A group is built from a `TCPStore` and a process group object of its own, never 
 `init_process_group`: a trainer keeps its own default group (FSDP, DDP), and a replica joins and
 leaves groups without touching global state. Every collective has the group's timeout, so a peer
 that dies mid-broadcast fails the others' call instead of hanging it.
+
+A colocated trainer (`SharedMemorySender`) packs each bucket into memory it keeps and shares, and
+names it in the request; each replica copies the buckets out before the request is answered, so
+the trainer reuses the same memory for its next update.
 """
 
 from __future__ import annotations
 
+import _posixshmem
 import dataclasses
 import datetime
 import math
+import mmap
+import os
+import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
@@ -29,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.errors import WeightUpdateError
-from rollout.schema import BUCKET_BYTES
+from rollout.schema import BUCKET_BYTES, SharedBucketRequest
 
 # How often a sender asks whether the server gave up the update while a bucket is on the wire.
 _POLL = datetime.timedelta(seconds=0.1)
@@ -122,19 +132,27 @@ def buckets_of(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[tuple[Ten
 
 def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The tensors' bytes in one flat uint8 buffer on `device`, each at an aligned offset."""
-    flat = [t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    buffer = torch.zeros(sum(_aligned(t.numel()) for t in flat), dtype=torch.uint8, device=device)
+    nbytes = sum(_aligned(t.nbytes) for t in tensors)
+    return pack_into(torch.zeros(nbytes, dtype=torch.uint8, device=device), tensors)
+
+
+def pack_into(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`pack` into the front of a flat uint8 `buffer` (at least as large); returns that part."""
     offset = 0
-    for t in flat:
-        buffer[offset : offset + t.numel()] = t
-        offset += _aligned(t.numel())
-    return buffer
+    for tensor in tensors:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[offset : offset + flat.numel()].copy_(flat)
+        offset += _aligned(flat.numel())
+    return buffer[:offset]
 
 
 def unpack(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
     """Inverse of `pack`: each tensor a view of `buffer` (no copy), by name."""
     tensors, offset = {}, 0
     for spec in specs:
+        if spec.nbytes == 0:  # (no bytes to view: an empty buffer's stride may not be 1)
+            tensors[spec.name] = torch.empty(spec.shape, dtype=spec.dtype, device=buffer.device)
+            continue
         tensors[spec.name] = buffer[offset : offset + spec.nbytes].view(spec.dtype).reshape(spec.shape)
         offset += _aligned(spec.nbytes)
     if offset != buffer.numel():
@@ -328,6 +346,149 @@ class WeightGroup:
         return self._group.broadcast([buffer], options)
 
 
+# Shared buckets ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharedBucket:
+    """Where one packed bucket lies in memory a trainer shares with the replicas on its machine: a
+    POSIX shared-memory segment (`shm_name`), or a GPU allocation (`cuda_ipc`: the fields of
+    `torch.UntypedStorage._share_cuda_`, which `_new_shared_cuda` maps in another process)."""
+
+    shm_name: str | None = None
+    cuda_ipc: tuple | None = None
+
+    @classmethod
+    def of_request(cls, request: SharedBucketRequest, field: str) -> "SharedBucket":
+        if (request.shm_name is None) == (request.cuda_ipc is None):
+            raise WeightUpdateError(field, "names its memory by exactly one of shm_name and cuda_ipc")
+        if request.shm_name is not None:
+            return cls(shm_name=request.shm_name)
+        ipc = request.cuda_ipc
+        return cls(cuda_ipc=(
+            bytes.fromhex(ipc.handle), ipc.storage_bytes, ipc.storage_offset, bytes.fromhex(ipc.ref_counter_handle),
+            ipc.ref_counter_offset, bytes.fromhex(ipc.event_handle), ipc.event_sync_required,
+        ))  # fmt: skip
+
+    def as_body(self) -> dict:
+        """The bucket as the request names it (`SharedBucketRequest`)."""
+        if self.shm_name is not None:
+            return {"shm_name": self.shm_name}
+        handle, size, offset, counter, counter_offset, event, sync = self.cuda_ipc
+        return {"cuda_ipc": {
+            "handle": handle.hex(), "storage_bytes": size, "storage_offset": offset,
+            "ref_counter_handle": counter.hex(), "ref_counter_offset": counter_offset,
+            "event_handle": (event or b"").hex(), "event_sync_required": sync,
+        }}  # fmt: skip
+
+    def copy_out(self, nbytes: int, device: torch.device, field: str) -> np.ndarray:
+        """The bucket's first `nbytes` bytes, copied into host memory of this process; raises
+        `WeightUpdateError` naming `field` if this process cannot map it or it is smaller."""
+        if self.shm_name is not None:
+            return _copy_out_of_segment(self.shm_name, nbytes, field)
+        return _copy_out_of_gpu(self.cuda_ipc, nbytes, device, field)
+
+
+def _copy_out_of_segment(name: str, nbytes: int, field: str) -> np.ndarray:
+    # Opened as Python's `SharedMemory` opens it, but without registering it with this process's
+    # resource tracker, which would unlink it when this process ends: the segment is the trainer's.
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+    except FileNotFoundError:
+        raise WeightUpdateError(
+            field, f"no shared memory {name!r} on this replica's machine: a trainer shares its buckets only "
+            "with the replicas on its own machine",
+        ) from None  # fmt: skip
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise WeightUpdateError(field, f"{name!r} holds {size} bytes, its tensors take {nbytes}")
+        with mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) as mapped:
+            view = np.frombuffer(mapped, dtype=np.uint8, count=nbytes)
+            copied = view.copy()
+            del view  # the map cannot close while a view of it lives
+        return copied
+    finally:
+        os.close(fd)
+
+
+def _copy_out_of_gpu(ipc: tuple, nbytes: int, device: torch.device, field: str) -> np.ndarray:
+    if device.type != "cuda":
+        raise WeightUpdateError(field, "a CUDA IPC bucket needs a replica on a GPU")
+    handle, size, offset, counter, counter_offset, event, sync = ipc
+    if size < nbytes:
+        raise WeightUpdateError(field, f"its storage holds {size} bytes, its tensors take {nbytes}")
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            torch.cuda.current_device() if device.index is None else device.index, handle, size, offset, counter, counter_offset, event or None, sync
+        )
+    except RuntimeError as error:
+        raise WeightUpdateError(field, f"cannot map the trainer's GPU memory: {error}") from None
+    mapped = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+    return mapped.cpu().numpy()
+
+
+def copy_out(
+    buckets: Sequence[SharedBucket], specs: Sequence[TensorSpec], bucket_bytes: int, device: torch.device
+) -> PackedTensors:
+    """A replica's copy of the tensors `specs` a trainer packed (`buckets_of` at `bucket_bytes`)
+    into `buckets`; raises `WeightUpdateError` naming the bucket it cannot read."""
+    cut = buckets_of(specs, bucket_bytes)
+    if len(buckets) != len(cut):
+        raise WeightUpdateError(
+            "buckets", f"these tensors take {len(cut)} bucket(s) of at most {bucket_bytes} bytes, got {len(buckets)}"
+        )
+    buffers = []
+    for k, (bucket, bucket_specs) in enumerate(zip(buckets, cut)):
+        buffers.append(bucket.copy_out(bucket_nbytes(bucket_specs), device, f"buckets[{k}]"))
+    return PackedTensors(tuple(cut), tuple(buffers))
+
+
+class _SharedMemory:
+    """A trainer's shared buckets, kept between updates and grown as needed: memory the replicas
+    copy out of before their server answers, so the next update can write it again."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._prefix = f"rollout_ws_{os.getpid()}_{secrets.token_hex(4)}_"
+        self._segments: list[shared_memory.SharedMemory] = []
+        self._gpu_buffers: list[torch.Tensor] = []
+
+    def share(self, k: int, tensors: Sequence[torch.Tensor]) -> SharedBucket:
+        """Packs `tensors` into bucket `k`'s memory."""
+        nbytes = sum(_aligned(t.nbytes) for t in tensors)
+        if self.device.type == "cuda":
+            while len(self._gpu_buffers) <= k:
+                self._gpu_buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+            if self._gpu_buffers[k].numel() < nbytes:
+                self._gpu_buffers[k] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            pack_into(self._gpu_buffers[k], tensors)
+            torch.cuda.current_stream(self.device).synchronize()  # written before a replica reads it
+            storage = self._gpu_buffers[k].untyped_storage()
+            _, handle, size, offset, counter, counter_offset, event, sync = storage._share_cuda_()
+            return SharedBucket(cuda_ipc=(handle, size, offset, counter, counter_offset, event, sync))
+        while len(self._segments) <= k:
+            self._segments.append(None)
+        if self._segments[k] is None or self._segments[k].size < nbytes:
+            self._unlink(k)
+            self._segments[k] = shared_memory.SharedMemory(f"{self._prefix}{k}", create=True, size=max(nbytes, 1))
+        segment = self._segments[k]
+        if nbytes:  # (a bucket of empty tensors has no bytes to view)
+            pack_into(torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes), tensors)
+        return SharedBucket(shm_name=segment.name)
+
+    def _unlink(self, k: int) -> None:
+        segment, self._segments[k] = self._segments[k], None
+        if segment is not None:
+            segment.close()
+            segment.unlink()
+
+    def close(self) -> None:
+        for k in range(len(self._segments)):
+            self._unlink(k)
+        self._gpu_buffers.clear()
+
+
 # The trainer's side ------------------------------------------------------------------------------
 
 # How a trainer reaches the server: `call(route, body)` answers SGLang's route `route` (its name,
@@ -351,7 +512,76 @@ def http_server(url: str, token: str | None = None, timeout_s: float = 600.0) ->
     return call
 
 
-class WeightSender:
+class _BucketSender:
+    """What both senders share: an update's body (SGLang's names, dtypes and shapes, the LoRA
+    fields, the checksum), deltas of the last update served, and the server's answer."""
+
+    def __init__(self, server: ServerCall, bucket_bytes: int, deltas: bool):
+        self.server, self.bucket_bytes, self.deltas = server, bucket_bytes, deltas
+        self._last_sent: tuple[str, dict[str, torch.Tensor]] | None = None  # (its version, the tensors)
+
+    def update(
+        self,
+        named_tensors: Mapping[str, torch.Tensor],
+        weight_version: str | None = None,
+        target_modules: Sequence[str] | None = None,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
+        checksum: str | None = None,
+        whole: bool = False,
+    ) -> dict:
+        """Sends the tensors to every replica; returns the server's answer (`success`, `message`,
+        `weight_version`, and each replica's checksum of what it serves now), or raises
+        `WeightUpdateError` with the server's reason (every replica then keeps its old weights).
+        `checksum`: the trainer's `weights_checksum` of the module after the update, which every
+        replica must then serve, or the update is undone everywhere. `whole`: every element, even
+        where a delta would be smaller."""
+        specs = specs_of(named_tensors)
+        delta = None if whole or lora_rank is not None else self._delta(named_tensors)
+        body = {
+            **spec_lists(specs),
+            "weight_version": weight_version,
+            "target_modules": None if target_modules is None else list(target_modules),
+            "lora_rank": lora_rank,
+            "lora_alpha": lora_alpha,
+            "bucket_bytes": self.bucket_bytes,
+            "checksum": checksum,
+        }
+        sent_tensors = named_tensors
+        if delta is not None:
+            version, sent_tensors = delta
+            body["delta_from"] = version
+            body["changed"] = [len(sent_tensors[spec.name + _POSITIONS]) for spec in specs]
+        # Refused, the update left every replica on what was last sent: the next delta is from that
+        # (and the coordinator refuses a delta from a version the replicas do not all serve).
+        last_sent, self._last_sent = self._last_sent, None
+        try:
+            answer = self._send(body, sent_tensors)
+        except Exception:
+            self._last_sent = last_sent
+            raise
+        if self.deltas and lora_rank is None:
+            self._last_sent = (answer["weight_version"], {name: t.detach().clone() for name, t in named_tensors.items()})
+        return answer
+
+    def _send(self, body: dict, tensors: Mapping[str, torch.Tensor]) -> dict:
+        """Posts `body` to the server while its tensors' bytes go their way; the server's answer."""
+        raise NotImplementedError
+
+    def _delta(self, named_tensors: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """(the version it changes, the delta) where a delta of the last update is smaller, else None."""
+        if not self.deltas or self._last_sent is None:
+            return None
+        version, previous = self._last_sent
+        if specs_of(previous) != specs_of(named_tensors):
+            return None
+        delta = delta_of(previous, named_tensors)
+        if sum(t.nbytes for t in delta.values()) >= sum(t.nbytes for t in named_tensors.values()):
+            return None
+        return version, delta
+
+
+class WeightSender(_BucketSender):
     """The trainer's end of a weight-update group with one server: it creates the group as rank 0,
     has the server's replicas join it, and broadcasts each update while the server receives it.
 
@@ -378,8 +608,8 @@ class WeightSender:
         bucket_bytes: int = BUCKET_BYTES,
         deltas: bool = False,
     ):
-        self.server, self.group_name, self.bucket_bytes, self.deltas = server, group_name, bucket_bytes, deltas
-        self._last_sent: tuple[str, dict[str, torch.Tensor]] | None = None  # (its version, the tensors)
+        super().__init__(server, bucket_bytes, deltas)
+        self.group_name = group_name
         body = {
             "master_address": master_address,
             "master_port": master_port,
@@ -400,40 +630,8 @@ class WeightSender:
             self.group.close()
             raise joined["error"]
 
-    def update(
-        self,
-        named_tensors: Mapping[str, torch.Tensor],
-        weight_version: str | None = None,
-        target_modules: Sequence[str] | None = None,
-        lora_rank: int | None = None,
-        lora_alpha: float | None = None,
-        checksum: str | None = None,
-        whole: bool = False,
-    ) -> dict:
-        """Sends the tensors to every replica; returns the server's answer (`success`, `message`,
-        `weight_version`, and each replica's checksum of what it serves now), or raises
-        `WeightUpdateError` with the server's reason (every replica then keeps its old weights).
-        `checksum`: the trainer's `weights_checksum` of the module after the update, which every
-        replica must then serve, or the update is undone everywhere. `whole`: every element, even
-        where a delta would be smaller."""
-        specs = specs_of(named_tensors)
-        delta = None if whole or lora_rank is not None else self._delta(named_tensors)
-        body = {
-            **spec_lists(specs),
-            "group_name": self.group_name,
-            "weight_version": weight_version,
-            "target_modules": None if target_modules is None else list(target_modules),
-            "lora_rank": lora_rank,
-            "lora_alpha": lora_alpha,
-            "bucket_bytes": self.bucket_bytes,
-            "checksum": checksum,
-        }
-        sent_tensors = named_tensors
-        if delta is not None:
-            version, sent_tensors = delta
-            body["delta_from"] = version
-            body["changed"] = [len(sent_tensors[spec.name + _POSITIONS]) for spec in specs]
-        self._last_sent = None  # until this update is served
+    def _send(self, body: dict, tensors: Mapping[str, torch.Tensor]) -> dict:
+        body = {**body, "group_name": self.group_name}
         answered: dict[str, Any] = {}
         server_side = threading.Thread(
             target=_into, args=(answered, lambda: self.server("update_weights_from_distributed", body))
@@ -441,7 +639,7 @@ class WeightSender:
         server_side.start()
         sent = None
         try:
-            self.group.send(sent_tensors, self.bucket_bytes, given_up=lambda: "error" in answered)
+            self.group.send(tensors, self.bucket_bytes, given_up=lambda: "error" in answered)
         except WeightUpdateError as failure:
             sent = failure
         finally:
@@ -450,22 +648,7 @@ class WeightSender:
             raise answered["error"]
         if sent is not None:  # served by the replicas that received it; a rank of this group is gone
             self.group.close()
-        answer = answered["answer"]
-        if self.deltas and lora_rank is None:
-            self._last_sent = (answer["weight_version"], {name: t.detach().clone() for name, t in named_tensors.items()})
-        return answer
-
-    def _delta(self, named_tensors: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]] | None:
-        """(the version it changes, the delta) where a delta of the last update is smaller, else None."""
-        if not self.deltas or self._last_sent is None:
-            return None
-        version, previous = self._last_sent
-        if specs_of(previous) != specs_of(named_tensors):
-            return None
-        delta = delta_of(previous, named_tensors)
-        if sum(t.nbytes for t in delta.values()) >= sum(t.nbytes for t in named_tensors.values()):
-            return None
-        return version, delta
+        return answered["answer"]
 
     def close(self) -> None:
         """Has the replicas leave the group, and leaves it."""
@@ -473,6 +656,38 @@ class WeightSender:
             self.server("destroy_weights_update_group", {"group_name": self.group_name})
         finally:
             self.group.close()
+
+
+class SharedMemorySender(_BucketSender):
+    """The trainer's end for a server whose replicas run on the trainer's machine (a colocated
+    trainer): each update's buckets are packed into memory this sender keeps and shares, POSIX
+    shared memory for `device` "cpu", CUDA IPC for a GPU, and the replicas copy them out. No group
+    and no collective; the same checks, checksums and deltas as `WeightSender`.
+
+        sender = SharedMemorySender(http_server("http://127.0.0.1:8000"))
+        sender.update(model.state_dict(), weight_version="step-1")
+        sender.close()   # frees the shared memory
+    """
+
+    def __init__(
+        self,
+        server: ServerCall,
+        device: torch.device | str = "cpu",
+        bucket_bytes: int = BUCKET_BYTES,
+        deltas: bool = False,
+    ):
+        super().__init__(server, bucket_bytes, deltas)
+        self.memory = _SharedMemory(torch.device(device))
+
+    def _send(self, body: dict, tensors: Mapping[str, torch.Tensor]) -> dict:
+        buckets = [
+            self.memory.share(k, [tensors[spec.name] for spec in bucket]).as_body()
+            for k, bucket in enumerate(buckets_of(specs_of(tensors), self.bucket_bytes))
+        ]
+        return self.server("update_weights_from_shared_memory", {**body, "buckets": buckets})
+
+    def close(self) -> None:
+        self.memory.close()
 
 
 def handle_server(handle: Any) -> ServerCall:

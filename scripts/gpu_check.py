@@ -35,6 +35,10 @@ bf16 replay difference.
     python scripts/gpu_check.py --families sd3 flux wan --budget-s 500 --out docs/gpu_check.json
     python scripts/gpu_check.py --tiny     # the same code on the tiny copies, on the CPU (tested)
 
+`--weight-transfer-gib 4` first measures moving 4 GiB of weights on the device
+(`scripts/weight_transfer.py`: release and resume through pinned memory, a colocated trainer's
+CUDA IPC buckets, an NCCL broadcast where there are two GPUs), as the first finding.
+
 A session is lent the device machine for 15 minutes in all, so `--budget-s` bounds the run: each
 family gets a share of the time left, sections are timed against an estimate from the family's
 own group rollout, and one that would overrun is skipped and named under `skipped` (in the order
@@ -73,6 +77,7 @@ from rollout.sampler import resolve_options, rows_per_sample, sample, sample_tre
 from rollout.testing.families import TINY_FAMILIES, TinyFamily  # noqa: E402
 from rollout.transitions import TransitionKind  # noqa: E402
 from rollout.tree import TreeRoot  # noqa: E402
+from weight_transfer import check_weight_transfer  # noqa: E402  (this script's folder)
 
 GROUP = 8
 BATCH_SIZES = (1, 8, 16, 64)
@@ -412,6 +417,7 @@ def main() -> None:
     parser.add_argument(
         "--calibrated", type=Path, help="an earlier run's findings: without the calibration section, its sizes are used"
     )
+    parser.add_argument("--weight-transfer-gib", type=float, default=0, help="first, weight transfer with this many GiB")
     args = parser.parse_args()
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -422,6 +428,9 @@ def main() -> None:
     calibrated = {found["family"]: found for found in json.loads(args.calibrated.read_text())} if args.calibrated else {}
     findings = []
     budget = Budget(args.budget_s)
+    if args.weight_transfer_gib:
+        findings.append(check_weight_transfer(int(args.weight_transfer_gib * 2**30) // 2 * 2, device))
+        print(json.dumps(findings[-1]), flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         for position, name in enumerate(args.families):
             record = CHECKED[name]

@@ -16,7 +16,10 @@ def findings_by_family(tmp_path_factory) -> dict[str, dict]:
     """Family -> the script's findings, from one run over both families (one process's imports)."""
     out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
     completed = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--tiny", "--families", "flux", "wan", "--out", str(out)],
+        [
+            sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--tiny", "--families", "flux", "wan",
+            "--weight-transfer-gib", "0.01", "--out", str(out),
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=600,
@@ -24,7 +27,19 @@ def findings_by_family(tmp_path_factory) -> dict[str, dict]:
     assert completed.returncode == 0, completed.stderr[-3000:]
     findings = json.loads(out.read_text())
     assert not [found for found in findings if "error" in found or found.get("skipped")]
-    return {found["family"]: found for found in findings}
+    return {found.get("family", found.get("section")): found for found in findings}
+
+
+def test_the_gpu_check_moves_weights_every_way_with_their_bits(findings_by_family):
+    """Release and resume, a colocated trainer's shared buckets copied out by another process, and
+    a broadcast between two processes (gloo here; NCCL on two GPUs)."""
+    found = findings_by_family["weight_transfer"]
+    assert found["device"] == "cpu" and found["tensors"] == 1
+    assert found["release_and_resume"]["bits_kept"]
+    assert found["shared_buckets"]["bits_equal"] and found["broadcast"]["bits_equal"]
+    assert found["broadcast"]["backend"] == "gloo"
+    for path in ("release_and_resume", "shared_buckets", "broadcast"):
+        assert all(rate > 0 for key, rate in found[path].items() if key.endswith("gib_per_s"))
 
 
 def test_the_gpu_check_runs_on_the_tiny_copies(findings_by_family):

@@ -1,5 +1,6 @@
-"""The weight-update group's library side (`rollout.weight_sync`): buckets, and a broadcast from rank 0
-to ranks in threads of this process over gloo on 127.0.0.1, as a trainer and replicas run it."""
+"""The library side of packed weight updates (`rollout.weight_sync`): buckets, a broadcast from rank 0
+to ranks in threads of this process over gloo on 127.0.0.1, as a trainer and replicas run it, and
+buckets shared in memory, as a colocated trainer shares them."""
 
 import threading
 
@@ -8,13 +9,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.errors import WeightUpdateError
+from rollout.errors import RequestSchemaError, WeightUpdateError
+from rollout.schema import SharedBucketRequest, UpdateWeightsFromSharedMemoryRequest, parse_body
 from rollout.weight_sync import (
     DTYPES,
+    SharedBucket,
     TensorSpec,
     WeightGroup,
     bucket_nbytes,
     buckets_of,
+    copy_out,
     delta_of,
     delta_specs,
     iter_specs,
@@ -23,6 +27,7 @@ from rollout.weight_sync import (
     unpack,
     with_delta,
 )
+from rollout.weight_sync import _SharedMemory as SharedMemory
 from tests.ports import free_port
 
 specs_strategy = st.lists(
@@ -60,6 +65,68 @@ def test_buckets_keep_every_tensor_whole_in_order_and_unpack_to_the_same_bits(sp
         for spec in bucket:  # raw bytes compared: NaN payloads and -0.0 included
             assert unpacked[spec.name].dtype == spec.dtype and unpacked[spec.name].shape == spec.shape
             assert torch.equal(raw(unpacked[spec.name]), raw(tensors[spec.name]))
+
+
+def random_tensors(specs, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        spec.name: torch.randint(0, 256, (spec.nbytes,), generator=generator, dtype=torch.uint8).view(spec.dtype).reshape(spec.shape)
+        for spec in specs
+    }
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    updates=st.lists(specs_strategy, min_size=1, max_size=3),
+    bucket_bytes=st.integers(1, 200),
+    seed=st.integers(0, 2**16),
+)
+def test_shared_buckets_copy_out_to_the_same_bits_update_after_update(updates, bucket_bytes, seed):
+    """A trainer writes each update into the memory it keeps (growing a bucket that no longer fits);
+    a reader that knows only the request's fields (the buckets as the body names them) copies
+    out every tensor's bits."""
+    memory = SharedMemory(torch.device("cpu"))
+    try:
+        for number, specs in enumerate(updates):
+            tensors = random_tensors(specs, seed + number)
+            shared = [
+                memory.share(k, [tensors[spec.name] for spec in bucket]) for k, bucket in enumerate(buckets_of(specs, bucket_bytes))
+            ]
+            named = [SharedBucket.of_request(SharedBucketRequest(**bucket.as_body()), "b") for bucket in shared]
+            copied = copy_out(named, specs, bucket_bytes, torch.device("cpu")).tensors()
+            assert list(copied) == [spec.name for spec in specs]
+            for spec in specs:
+                assert copied[spec.name].dtype == spec.dtype and copied[spec.name].shape == spec.shape
+                assert torch.equal(raw(copied[spec.name]), raw(tensors[spec.name]))
+    finally:
+        memory.close()
+
+
+def test_shared_buckets_that_cannot_be_read_are_refused_naming_the_bucket():
+    specs = [TensorSpec("w", torch.float32, (64,))]
+    memory = SharedMemory(torch.device("cpu"))
+    try:
+        small = memory.share(0, [torch.zeros(8)])
+        with pytest.raises(WeightUpdateError, match=r"buckets\[0\]: 'rollout_ws_\w+' holds 32 bytes, its tensors take 256"):
+            copy_out([small], specs, 2**20, torch.device("cpu"))
+        with pytest.raises(WeightUpdateError, match=r"buckets: these tensors take 1 bucket\(s\) of at most 1048576 bytes, got 2"):
+            copy_out([small, small], specs, 2**20, torch.device("cpu"))
+    finally:
+        memory.close()
+    with pytest.raises(WeightUpdateError, match=r"buckets\[0\]: no shared memory '.*' on this replica's machine"):
+        copy_out([small], specs, 2**20, torch.device("cpu"))  # unlinked by the trainer's close
+    ipc = {"handle": "00", "storage_bytes": 256, "storage_offset": 0, "ref_counter_handle": "", "ref_counter_offset": 0,
+           "event_handle": "", "event_sync_required": False}  # fmt: skip
+    gpu_bucket = SharedBucket.of_request(SharedBucketRequest(cuda_ipc=ipc), "buckets[0]")
+    with pytest.raises(WeightUpdateError, match=r"buckets\[0\]: a CUDA IPC bucket needs a replica on a GPU"):
+        copy_out([gpu_bucket], specs, 2**20, torch.device("cpu"))
+    for neither_or_both in ({}, {"shm_name": "rollout_ws_a", "cuda_ipc": ipc}):
+        with pytest.raises(WeightUpdateError, match=r"buckets\[3\]: names its memory by exactly one of"):
+            SharedBucket.of_request(SharedBucketRequest(**neither_or_both), "buckets[3]")
+    body = {"names": ["w"], "dtypes": ["float32"], "shapes": [[64]]}
+    for name in ("../../etc/passwd", "/dev/shm/rollout_ws_a", "rollout_ws_a/b", "other"):
+        with pytest.raises(RequestSchemaError, match="buckets"):
+            parse_body(UpdateWeightsFromSharedMemoryRequest, {**body, "buckets": [{"shm_name": name}]})
 
 
 def test_specs_from_sglangs_lists_name_the_field_that_does_not_fit():

@@ -1,13 +1,14 @@
 """Weights: SGLang's `/update_weights_from_disk`, `/update_weights_from_tensor`,
 `/get_weights_checksum`, and its weight-update group (`/init_weights_update_group`,
-`/update_weights_from_distributed`, `/destroy_weights_update_group`), and the handle's methods of
-the same names.
+`/update_weights_from_distributed`, `/destroy_weights_update_group`), `/update_weights_from_shared_memory`
+for a trainer on the replicas' machine (extension), and the handle's methods of the same names.
 
 Needs from the ingress: `bodies` (`BodyReader`) and `coordinator` (the `WeightCoordinator` handle).
 """
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -21,6 +22,8 @@ from deployments.weights import (
     DiskSource,
     GroupSource,
     ObjectStoreTensors,
+    PackedSource,
+    SharedMemorySource,
     TensorSource,
     UpdateResult,
     WeightGroupAddress,
@@ -30,13 +33,15 @@ from rollout.schema import (
     BUCKET_BYTES,
     DestroyWeightsUpdateGroupRequest,
     InitWeightsUpdateGroupRequest,
+    PackedUpdateRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromSharedMemoryRequest,
     WeightsChecksumRequest,
     parse_body,
     parse_tensor_update,
 )
-from rollout.weight_sync import iter_specs
+from rollout.weight_sync import SharedBucket, iter_specs
 from rollout.weights import weight_version_problem
 
 logger = logging.getLogger("ray.serve")
@@ -105,12 +110,22 @@ class WeightRoutes:
     ) -> UpdateResult:
         """Handle API: every replica receives the tensors the trainer broadcasts over the group and
         serves them, all or none; raises `WeightUpdateError` naming the cause."""
-        body = parse_body(UpdateWeightsFromDistributedRequest, dict(
+        fields = dict(
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
             target_modules=target_modules, lora_rank=lora_rank, lora_alpha=lora_alpha, bucket_bytes=bucket_bytes,
             checksum=checksum, delta_from=delta_from, changed=changed,
-        ))  # fmt: skip
-        return _raise_unless_applied(await self._update(_group_source(body), body.weight_version))
+        )  # fmt: skip
+        return await self._packed_update(UpdateWeightsFromDistributedRequest, fields)
+
+    async def update_weights_from_shared_memory(self, buckets: list[dict], **fields: Any) -> UpdateResult:
+        """Handle API: every replica copies out the buckets a trainer on its machine shares
+        (`rollout.weight_sync.SharedMemorySender`) and serves them, all or none; `fields` are
+        `update_weights_from_distributed`'s but `group_name`. Raises `WeightUpdateError` naming the cause."""
+        return await self._packed_update(UpdateWeightsFromSharedMemoryRequest, {**fields, "buckets": buckets})
+
+    async def _packed_update(self, request: type[PackedUpdateRequest], fields: dict[str, Any]) -> UpdateResult:
+        body = parse_body(request, fields)
+        return _raise_unless_applied(await self._update(_packed_source(body), body.weight_version))
 
     async def destroy_weights_update_group(self, group_name: str = "rollout") -> UpdateResult:
         """Handle API: every replica leaves the group."""
@@ -137,7 +152,7 @@ class WeightRoutes:
         reports = await self.coordinator.broadcast_command.remote(ChecksumWeights(module_names))
         return {replica: report.result for replica, report in reports.items()}
 
-    async def _update(self, source: DiskSource | TensorSource | GroupSource, weight_version: str | None) -> UpdateResult:
+    async def _update(self, source: DiskSource | TensorSource | PackedSource, weight_version: str | None) -> UpdateResult:
         # Every later row of every client carries the version: checked here, for HTTP and handle alike.
         if weight_version is not None and (problem := weight_version_problem(weight_version)):
             raise InvalidRequestError("weight_version", problem)
@@ -173,7 +188,15 @@ class WeightRoutes:
     async def http_update_weights_from_distributed(self, http_request: Request) -> Response:
         async def update() -> UpdateResult:
             body = parse_body(UpdateWeightsFromDistributedRequest, await self.bodies.read(http_request))
-            return await self._update(_group_source(body), body.weight_version)
+            return await self._update(_packed_source(body), body.weight_version)
+
+        return await _answered(update)
+
+    @route("POST", "/update_weights_from_shared_memory", operator=True)
+    async def http_update_weights_from_shared_memory(self, http_request: Request) -> Response:
+        async def update() -> UpdateResult:
+            body = parse_body(UpdateWeightsFromSharedMemoryRequest, await self.bodies.read(http_request))
+            return await self._update(_packed_source(body), body.weight_version)
 
         return await _answered(update)
 
@@ -209,20 +232,21 @@ def _check_module_names(module_names: list[str] | None) -> None:
         )
 
 
-def _group_source(body: UpdateWeightsFromDistributedRequest) -> GroupSource:
-    specs = tuple(iter_specs(body.names, body.dtypes, body.shapes))
-    changed = None if body.changed is None else tuple(body.changed)
-    return GroupSource(
-        body.group_name,
-        specs,
-        body.bucket_bytes,
-        body.target_modules,
-        body.lora_rank,
-        body.lora_alpha,
-        body.checksum,
-        body.delta_from,
-        changed,
+def _packed_source(body: PackedUpdateRequest) -> PackedSource:
+    fields = dict(
+        specs=tuple(iter_specs(body.names, body.dtypes, body.shapes)),
+        bucket_bytes=body.bucket_bytes,
+        target_modules=body.target_modules,
+        lora_rank=body.lora_rank,
+        lora_alpha=body.lora_alpha,
+        checksum=body.checksum,
+        delta_from=body.delta_from,
+        changed=None if body.changed is None else tuple(body.changed),
     )
+    if isinstance(body, UpdateWeightsFromDistributedRequest):
+        return GroupSource(group_name=body.group_name, **fields)
+    buckets = tuple(SharedBucket.of_request(bucket, f"buckets[{k}]") for k, bucket in enumerate(body.buckets))
+    return SharedMemorySource(buckets=buckets, **fields)
 
 
 def _raise_unless_applied(result: UpdateResult) -> UpdateResult:

@@ -84,6 +84,7 @@ OPERATOR_ROUTES = [
     "/init_weights_update_group",
     "/update_weights_from_distributed",
     "/destroy_weights_update_group",
+    "/update_weights_from_shared_memory",
     "/release_memory_occupation",
     "/resume_memory_occupation",
 ]

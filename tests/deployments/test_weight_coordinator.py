@@ -15,12 +15,13 @@ from deployments.weights import (
     ApplyWeights,
     DiskSource,
     GroupSource,
+    SharedMemorySource,
     TensorSource,
     UndoWeights,
     WeightCoordinator,
 )
 from rollout.errors import WeightUpdateError
-from rollout.weight_sync import TensorSpec
+from rollout.weight_sync import SharedBucket, TensorSpec
 from rollout.weights import TensorLayout
 
 
@@ -222,32 +223,43 @@ ABSURD_LORA = (
 )
 
 
+W = (TensorSpec("w.weight", torch.float32, (4, 4)),)
+
+
 @pytest.mark.parametrize(
-    "source, problem",
+    "specs, fields, problem",
     [
-        (GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 4)),), 2**20), None),
-        (GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 5)),), 2**20), "names: transformer weights: w.weight has shape"),
-        (GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 4)), TensorSpec("w.weight", torch.float32, (4, 4))), 2**20), "named twice"),
+        (W, {}, None),
+        ((TensorSpec("w.weight", torch.float32, (4, 5)),), {}, "names: transformer weights: w.weight has shape"),
+        (W + W, {}, "named twice"),
         # A LoRA adapter of an absurd rank: the replicas would allocate more than the module holds.
-        (
-            GroupSource("g", ABSURD_LORA, 2**20, lora_rank=10**6, lora_alpha=1.0),
-            "shapes: the broadcast takes 32,000,000 bytes, more than transformer's 64",
-        ),
+        (ABSURD_LORA, dict(lora_rank=10**6, lora_alpha=1.0), "shapes: the update takes 32,000,000 bytes, more than transformer's 64"),
         # A delta of every element, larger than the tensor it changes.
-        (
-            GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 4)),), 2**20, delta_from="v0", changed=(16,)),
-            "shapes: the broadcast takes 192 bytes, more than transformer's 64",
-        ),
-        (GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 4)),), 2**20, delta_from="v9", changed=(1,)), "delta_from"),
-        (GroupSource("g", (TensorSpec("w.weight", torch.float32, (4, 4)),), 2**20, delta_from="v0", changed=(17,)), "changed: w.weight: 17"),
+        (W, dict(delta_from="v0", changed=(16,)), "shapes: the update takes 192 bytes, more than transformer's 64"),
+        (W, dict(delta_from="v9", changed=(1,)), "delta_from"),
+        (W, dict(delta_from="v0", changed=(17,)), "changed: w.weight: 17"),
     ],
     ids=["fits", "shape", "twice", "lora-rank", "delta-larger", "delta-stale", "delta-count"],
 )
-def test_a_group_update_is_checked_against_the_served_layout_before_any_replica_allocates(source, problem):
+@pytest.mark.parametrize(
+    "carried_by", [dict(group_name="g"), dict(buckets=(SharedBucket(shm_name="rollout_ws_x"),))], ids=["group", "shared"]
+)
+def test_a_packed_update_is_checked_against_the_served_layout_before_any_replica_allocates(specs, fields, problem, carried_by):
     c = coordinator()
     c.layouts = {"transformer": {"w.weight": TensorLayout((4, 4), torch.float32)}}
+    kind = GroupSource if "group_name" in carried_by else SharedMemorySource
+    source = kind(specs=specs, bucket_bytes=2**20, **fields, **carried_by)
     if problem is None:
-        c._check_group_update(source)
+        c._check_packed_update(source)
         return
     with pytest.raises(WeightUpdateError, match=problem):
-        c._check_group_update(source)
+        c._check_packed_update(source)
+
+
+def test_a_delta_is_checked_against_the_live_replicas_only():
+    """A replica that died after reporting an older version (Serve replaced it) does not make the
+    coordinator refuse a delta from what every live replica serves."""
+    c = coordinator()
+    c.layouts = {"transformer": {"w.weight": TensorLayout((4, 4), torch.float32)}}
+    c.served = {"dead": "v-old"}
+    c._check_packed_update(SharedMemorySource(specs=W, bucket_bytes=2**20, delta_from="v0", changed=(1,), buckets=()))

@@ -29,7 +29,7 @@ from rollout.errors import InvalidRequestError, WeightUpdateError
 from rollout.models.digits import DEFAULT_WEIGHTS
 from rollout.models.registry import load_pipeline
 from rollout.replay import replay_log_probs, transition_log_probs
-from rollout.weight_sync import WeightSender, handle_server, http_server, spec_lists, specs_of
+from rollout.weight_sync import SharedMemorySender, WeightSender, handle_server, http_server, spec_lists, specs_of
 from rollout.weights import apply_update, tensor_update, weights_checksum
 from tests.ports import free_port
 
@@ -581,3 +581,50 @@ def test_a_replica_killed_during_a_broadcast_never_leaves_the_replicas_on_two_ve
     committed = (state, "during-a-kill") if answered["success"] else (perturbed(base, seed=16), "group-16")
     expected = {(committed[1], weights_checksum(with_update(base, committed[0]).transformer))}
     assert set(now.values()) == expected, (answered, now)
+
+
+# A colocated trainer (rollout.weight_sync.SharedMemorySender): its buckets in shared memory the
+# replicas on its machine copy out.
+
+
+def test_a_colocated_trainers_shared_buckets_reach_every_replica_as_full_weights_and_as_deltas(app, base):
+    step_1 = perturbed(base, seed=21)
+    step_2 = {name: t.clone() for name, t in step_1.items()}
+    for tensor in list(step_2.values())[::4]:
+        tensor.view(-1)[:3] -= 0.5
+    sender = SharedMemorySender(http_server(app.url), bucket_bytes=64 * 2**10, deltas=True)
+    try:
+        updated = with_update(base, step_1)
+        first = sender.update(step_1, weight_version="shared-1", checksum=weights_checksum(updated.transformer))
+        assert "copied out of the trainer's shared memory" in first["message"]
+        assert set(first["checksums"].values()) == {weights_checksum(updated.transformer)}
+        # The same memory, written again: a refused update leaves every replica on shared-1.
+        with pytest.raises(WeightUpdateError, match=r"refused by 2 replica\(s\).*NaN or infinite"):
+            sender.update(with_one_value(step_2, float("nan")), weight_version="shared-nan", whole=True)
+        assert {version for version, _ in served(app).values()} == {"shared-1"}
+        updated = with_update(base, step_2)
+        second = sender.update(step_2, weight_version="shared-2", checksum=weights_checksum(updated.transformer))
+    finally:
+        sender.close()
+    assert "made whole" in second["message"]  # sent as a delta of shared-1
+    assert set(served(app).values()) == {("shared-2", weights_checksum(updated.transformer))}
+    parts, batch = rollout(app, {"prompt": ["3", "6"], "num_outputs_per_prompt": 4, "num_inference_steps": 3})
+    assert len({part.replica for part in parts}) == 2 and {s.weight_version for s in batch.samples} == {"shared-2"}
+    assert_replays_exactly(updated, batch)
+
+
+def test_shared_buckets_the_replicas_cannot_read_are_refused_naming_the_bucket(app, base, http):
+    state = perturbed(base, seed=22)
+    lists = spec_lists(specs_of(state))
+    url = f"{app.url}/update_weights_from_shared_memory"
+    missing = http.post(url, json={**lists, "buckets": [{"shm_name": "rollout_ws_gone_0"}]}, timeout=60).json()
+    assert not missing["success"] and "buckets[0]: no shared memory 'rollout_ws_gone_0' on this replica's machine" in missing["message"]
+    too_many = http.post(url, json={**lists, "bucket_bytes": 2**16, "buckets": [{"shm_name": "rollout_ws_a"}]}, timeout=60)
+    assert too_many.status_code == 400 and "buckets: these tensors take" in too_many.json()["message"]
+    outside = http.post(url, json={**lists, "buckets": [{"shm_name": "../etc/passwd"}]}, timeout=60)
+    assert outside.status_code == 422 and "buckets.0: String should match pattern" in outside.text, outside.text
+    both = http.post(url, json={**lists, "buckets": [{}]}, timeout=60)
+    assert both.status_code == 400 and "buckets[0]: names its memory by exactly one of shm_name and cuda_ipc" in both.text
+    uneven = http.post(url, json={**lists, "dtypes": lists["dtypes"][1:], "buckets": []}, timeout=60)
+    assert uneven.status_code == 400 and "names: names, dtypes and shapes differ in length" in uneven.text
+    assert {version for version, _ in served(app).values()} == {"base"}
