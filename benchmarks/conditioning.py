@@ -1,4 +1,5 @@
-"""What an input image costs an editing request, and what encoding it once per prompt saves (issue 47).
+"""What an input image costs an editing request, what encoding it once per prompt saves (issue 47),
+and what keeping the encodings between requests saves (issue 49).
 
     .venv/bin/python -m benchmarks.conditioning                  # the tiny Qwen-Image-Edit, 5 rounds
     .venv/bin/python -m benchmarks.conditioning --family flux_kontext
@@ -11,9 +12,11 @@ below, ODE, taking turns round by round after a warm-up each:
 - edit: one input image, encoded once for the prompt and shared by its 16 samples;
 - edit, encoded per sample: 16 input images of the same size, each one pixel apart, so each is
   encoded: the transformer's work is the edit's, plus 15 more encodes. What encoding per sample
-  (the pipelines' `image` repeated per sample, or a server without per-prompt conditions) costs.
+  (the pipelines' `image` repeated per sample, or a server without per-prompt conditions) costs;
+- edit, encodings kept: the edit again, as the next epoch sends it, its prompt and image encodings
+  taken from the pipeline's cache (`rollout.encoding_cache`); the other paths run with no cache.
 The figures: wall time per request, the transformer rows and tokens a row (the condition's tokens
-follow the noise tokens), and the encodes run.
+follow the noise tokens), and the VAE encodes run (each path's second request).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy
 import torch
 
 from benchmarks.serving import Spread, take_turns
+from rollout.encoding_cache import EncodingCache
 from rollout.input_images import InputImage
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
@@ -79,11 +83,20 @@ def measure(family: str, directory: Path, rounds: int) -> list[ConditionFigures]
     pipeline.vae.encoder.register_forward_hook(lambda module, args, output: encodes.append(1))
     denoiser = pipeline.weight_modules[pipeline.experts[0]]
     denoiser.register_forward_hook(lambda m, args, kwargs, out: tokens.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
-    runs: dict[str, Callable[[], object]] = {
-        name: (lambda roots=roots: sample_tree(pipeline, roots, options)) for name, roots in requests(family).items()
-    }
+
+    def with_cache(roots: list[TreeRoot], cache: EncodingCache) -> Callable[[], object]:
+        def run():
+            pipeline.encodings = cache
+            return sample_tree(pipeline, roots, options)
+
+        return run
+
+    roots_by_path = requests(family)
+    runs = {name: with_cache(roots, EncodingCache(0)) for name, roots in roots_by_path.items()}
+    runs["edit, encodings kept"] = with_cache(roots_by_path["edit"], EncodingCache())
     counts = {}
     for name, run in runs.items():
+        run()  # the kept path's first request fills its cache
         encodes.clear()
         tokens.clear()
         call = run()

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from rollout.encoding_cache import ENCODING_CACHE_BYTES
 from rollout.errors import (
     FieldError,
     InvalidRequestError,
@@ -98,6 +99,12 @@ class ModelConfig(BaseModel):
         None,
         description="Decode with the VAE's own spatial tiling (diffusers' `enable_tiling`; frames above the VAE's "
         "tile size only). None: on for video families (wan, ltx), off for image families.",
+    )
+    encoding_cache_mib: int = Field(
+        ENCODING_CACHE_BYTES // 2**20,
+        ge=0,
+        description="Host memory (MiB) each worker replica keeps prompt and image encodings in, reused by later "
+        "requests with the same prompt, images and size (the same tensors); 0: none. Diffusers families only.",
     )
     # On a cluster the builder may run on a node without the weights (a CPU head, GPU workers scaled
     # to zero): there a bad directory can only fail the worker replicas' start.

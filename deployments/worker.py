@@ -78,7 +78,12 @@ class RolloutWorker:
         model = config.model
         name, self.model_path = resolve_model(model.name, model.path)
         self.pipeline = load_pipeline(
-            name, self.model_path, dtype=dtype, max_sequence_length=model.max_sequence_length, vae_tiling=model.vae_tiling
+            name,
+            self.model_path,
+            dtype=dtype,
+            max_sequence_length=model.max_sequence_length,
+            vae_tiling=model.vae_tiling,
+            encoding_cache_bytes=model.encoding_cache_mib * 2**20,
         )
         micro_batching = self.pipeline.micro_batching = model.micro_batching(self.pipeline.micro_batching.default)
         # At the model's default image size and each one configured, on the sampling thread: its

@@ -80,6 +80,14 @@ class SamplingOptions:
             self, "return_step_indices", _check_step_indices("rollout_return_step_indices", self.return_step_indices, steps)
         )
 
+    def for_encoding(self) -> "SamplingOptions":
+        """What a prompt's or an input image's encoding may read of these options: the output's size,
+        frames and frame rate (a text padded to a bucket of the image's tokens, text ids laid out
+        for the latent grid, LTX-Video's rotary time scale, an image resized to the output), the
+        rest at their defaults. Encoders are given only this, so it keys their cache
+        (`rollout.encoding_cache`)."""
+        return SamplingOptions(height=self.height, width=self.width, num_frames=self.num_frames, fps=self.fps)
+
     def transition_at(self, step: int) -> TransitionKind:
         """The transition of absolute step `step`: SDE steps outside the window run as ODE."""
         if self.sde_step_indices is not None and step not in self.sde_step_indices:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from rollout.conditioning import BucketedConditioning, Conditioning, image_input_key
+from rollout.encoding_cache import ENCODING_CACHE_BYTES, EncodingCache
 from rollout.errors import ModelLoadError, UnknownPromptError
 from rollout.kernels import zero_padded
 from rollout.micro_batching import MicroBatching
@@ -121,6 +122,7 @@ class DiffusersFamily:
         micro_batching: MicroBatching | None = None,
         max_sequence_length: int | None = None,
         vae_tiling: bool | None = None,
+        encoding_cache_bytes: int = ENCODING_CACHE_BYTES,
     ):
         self.pipe = pipe
         self.scheduler = pipe.scheduler
@@ -141,6 +143,7 @@ class DiffusersFamily:
         if self.vae_tiling:
             self.vae.enable_tiling()
         self._one_word_text: dict[str, torch.Tensor] | None = None  # `text_bytes`' measure
+        self.encodings = EncodingCache(encoding_cache_bytes)
 
     @classmethod
     def spatial_scale_factor(cls, pipe: Any) -> int:
@@ -162,6 +165,7 @@ class DiffusersFamily:
         micro_batching: MicroBatching | None = None,
         max_sequence_length: int | None = None,
         vae_tiling: bool | None = None,
+        encoding_cache_bytes: int = ENCODING_CACHE_BYTES,
     ) -> "DiffusersFamily":
         """Loads the family's diffusers pipeline from the local directory `path`; never downloads."""
         index = read_model_index(path)
@@ -182,7 +186,13 @@ class DiffusersFamily:
             if isinstance(module, nn.Module):
                 # `nn.Module.to`: diffusers' override warns on every call about fp32 modules these models lack.
                 nn.Module.to(module, device)
-        return cls(pipe, micro_batching=micro_batching, max_sequence_length=max_sequence_length, vae_tiling=vae_tiling)
+        return cls(
+            pipe,
+            micro_batching=micro_batching,
+            max_sequence_length=max_sequence_length,
+            vae_tiling=vae_tiling,
+            encoding_cache_bytes=encoding_cache_bytes,
+        )
 
     @classmethod
     def served_pipelines(cls) -> tuple[str, ...]:
@@ -298,21 +308,28 @@ class DiffusersFamily:
             # A text encoder that reads the prompt's images encodes the text anew for other images.
             return (texts[row], _images_key(images[row]) if self.text_sees_images else ())
 
-        # Each distinct text and image set is encoded once, alone: a prompt's fan-out shares it.
+        # Each distinct text and image set is encoded once, alone: a prompt's fan-out shares it, and
+        # later requests take it from the pipeline's cache, keyed by all an encoder is given.
+        encoding = options.for_encoding()
+
+        def encode_text(text: str, row: int) -> dict[str, torch.Tensor]:
+            if self.text_sees_images:
+                return self.encode_prompt_seeing(text, images[row], encoding)
+            return self.encode_prompt(text, encoding)
+
         encoded: dict[tuple, dict[str, torch.Tensor]] = {}
         encoded_images: dict[tuple[str, ...], dict[str, torch.Tensor]] = {(): {}}
         with torch.no_grad():
             for texts in (prompts, negatives or ()):
                 for row, text in enumerate(texts):
-                    if text_key(texts, row) not in encoded:
-                        encoded[text_key(texts, row)] = (
-                            self.encode_prompt_seeing(text, images[row], options)
-                            if self.text_sees_images
-                            else self.encode_prompt(text, options)
-                        )
+                    key = text_key(texts, row)
+                    if key not in encoded:
+                        encoded[key] = self.encodings.get(("text", key, encoding), lambda: encode_text(text, row))
             for prompt_images in images:
-                if _images_key(prompt_images) not in encoded_images:
-                    encoded_images[_images_key(prompt_images)] = self.encode_images(prompt_images, options)
+                key = _images_key(prompt_images)
+                if key not in encoded_images:
+                    made = lambda: self.encode_images(prompt_images, encoding)  # noqa: E731
+                    encoded_images[key] = self.encodings.get(("images", key, encoding), made)
 
         def stacked(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
             return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}

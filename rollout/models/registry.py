@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.encoding_cache import ENCODING_CACHE_BYTES
 from rollout.errors import ModelLoadError
 from rollout.micro_batching import MicroBatching
 from rollout.models.base import RolloutPipeline
@@ -119,6 +120,7 @@ def load_pipeline(
     micro_batching: MicroBatching | None = None,
     max_sequence_length: int | None = None,
     vae_tiling: bool | None = None,
+    encoding_cache_bytes: int = ENCODING_CACHE_BYTES,
 ) -> RolloutPipeline:
     """Loads model `name` from `path` (see `resolve_model`) onto `device` (default: CUDA if present).
 
@@ -127,6 +129,9 @@ def load_pipeline(
         max_sequence_length: the text length prompts are padded to; None keeps the family's.
         vae_tiling: decode with the VAE's own tiling; None: on for video families (see
             `DiffusersFamily`).
+        encoding_cache_bytes: host memory for the prompt and image encodings a diffusers family
+            keeps between requests (`rollout.encoding_cache`); the embedded model's prompt encoder
+            is a lookup table it trains, and keeps none.
     """
     check_model_choice(name, path, max_sequence_length, vae_tiling)
     name, model_path = resolve_model(name, path)
@@ -144,4 +149,5 @@ def load_pipeline(
         micro_batching=micro_batching,
         max_sequence_length=max_sequence_length,
         vae_tiling=vae_tiling,
+        encoding_cache_bytes=encoding_cache_bytes,
     )
