@@ -35,21 +35,24 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.int32)
 
 
-def velocities(family: str, batch: int, size: int, repeats: int) -> dict:
+def velocities(family: str, batch: int, size: int, repeats: int, device: str) -> dict:
     with tempfile.TemporaryDirectory() as root:
         record = TINY_FAMILIES[family]
-        pipeline = load_pipeline(record.family.name, record.build(Path(root) / family), device="cpu")
+        pipeline = load_pipeline(record.family.name, record.build(Path(root) / family), device=device)
     options = resolve_options(pipeline, SamplingOptions(height=size, width=size, **(TINY_FAMILIES[family].guided or {})))
     conditioning = pipeline.encode_prompts([PROMPT] * batch, [""] * batch, options).buckets[0].conditioning
     generator = torch.Generator().manual_seed(0)
     x_t = torch.randn((batch, *pipeline.latent_shape(options.height, options.width, options.num_frames)), generator=generator)
-    timestep = torch.full((batch,), 500.0)
+    x_t, timestep = x_t.to(device), torch.full((batch,), 500.0, device=device)
     eager = pipeline.pipe.transformer  # what `run_transformer` calls
 
     def forward(grad: bool) -> torch.Tensor:
         eager.requires_grad_(grad)  # a full fine-tune's replay: every weight trainable
         with torch.set_grad_enabled(grad):
-            return pipeline.predict_velocity(x_t, timestep, conditioning, options).detach()
+            velocity = pipeline.predict_velocity(x_t, timestep, conditioning, options).detach()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return velocity
 
     def timed(grad: bool) -> tuple[torch.Tensor, float, float]:
         start = time.perf_counter()
@@ -105,8 +108,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    results = [velocities(family, args.batch, args.size, args.repeats) for family in args.families]
+    results = [velocities(family, args.batch, args.size, args.repeats, args.device) for family in args.families]
     print(table(results, args.repeats))
 
 
