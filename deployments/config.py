@@ -100,6 +100,12 @@ class ModelConfig(BaseModel):
         description="Decode with the VAE's own spatial tiling (diffusers' `enable_tiling`; frames above the VAE's "
         "tile size only). None: on for video families (wan, ltx), off for image families.",
     )
+    attention_backend: Literal["default", "math", "flash", "efficient", "cudnn"] = Field(
+        "default",
+        description="The attention kernel the denoisers run (rollout.kernels.AttentionBackend): 'default' lets "
+        "PyTorch pick per call; the others pin one. A trainer replays with the same one (load_pipeline's "
+        "attention_backend); a worker refuses to start where it has no kernel.",
+    )
     encoding_cache_mib: int = Field(
         ENCODING_CACHE_BYTES // 2**20,
         ge=0,

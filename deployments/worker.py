@@ -84,6 +84,7 @@ class RolloutWorker:
             max_sequence_length=model.max_sequence_length,
             vae_tiling=model.vae_tiling,
             encoding_cache_bytes=model.encoding_cache_mib * 2**20,
+            attention_backend=model.attention_backend,
         )
         micro_batching = self.pipeline.micro_batching = model.micro_batching(self.pipeline.micro_batching.default)
         # At the model's default image size and each one configured, on the sampling thread: its
@@ -168,6 +169,7 @@ class RolloutWorker:
             "model_path": str(self.model_path),
             "pipeline_class": getattr(self.pipeline, "diffusers_pipeline", type(self.pipeline).__name__),
             "dtype": self.config.model.dtype,
+            "attention_backend": self.pipeline.attention.value,  # what a trainer replays with
             "scheduler": {"class_name": type(scheduler).__name__, "config": dict(scheduler.config)},
             "default_height": self.pipeline.default_height,
             "default_width": self.pipeline.default_width,

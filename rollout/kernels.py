@@ -31,6 +31,12 @@ Thinking Machines' batch_invariant_ops and the deterministic modes of vLLM and S
 guarantee on CUDA with Triton kernels of one fixed tiling for matmul, attention and reductions, so
 that even a token's rows can share a call; with stock kernels, a fixed shape is what fixes the
 tiling, and a sample's own shape is the one that costs no padding.
+
+Which attention kernel runs is pinned too (`AttentionBackend`): PyTorch picks among its SDPA
+kernels per call (flash, memory-efficient, cuDNN, math), each with its own bits, and may pick
+another for a forward under autograd than without it. A pipeline runs its denoisers' attention
+under the one backend it was loaded with, in the rollout and in `rollout.replay` alike, so a
+trainer that loads its pipeline with the server's backend replays with the server's kernel.
 """
 
 from __future__ import annotations
@@ -42,7 +48,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
+
+from rollout.errors import ModelLoadError
 
 
 class BatchInvariance(str, enum.Enum):
@@ -50,6 +59,51 @@ class BatchInvariance(str, enum.Enum):
 
     PADDING = "padding"  # calls of exactly the micro-batch's rows, padded; stock kernels
     KERNELS = "kernels"  # calls of the rows there are; `BatchInvariantKernels`
+
+
+class AttentionBackend(str, enum.Enum):
+    """The SDPA kernel a pipeline's denoisers run (`model.attention_backend`): "default" leaves the
+    choice to PyTorch, call by call; the others pin one, for the rollout and its replay."""
+
+    DEFAULT = "default"
+    MATH = "math"
+    FLASH = "flash"
+    EFFICIENT = "efficient"
+    CUDNN = "cudnn"
+
+    def running(self) -> contextlib.AbstractContextManager:
+        """Within it, attention runs this backend's kernel (or fails, where it cannot run a call)."""
+        if self is AttentionBackend.DEFAULT:
+            return contextlib.nullcontext()
+        return sdpa_kernel([_SDPA_BACKENDS[self]])
+
+    @classmethod
+    def checked(cls, name: str, device: torch.device | str, dtype: torch.dtype) -> "AttentionBackend":
+        """`name` as a backend that runs on `device` in `dtype` (one small attention call under it);
+        raises `ModelLoadError` naming ``model.attention_backend`` otherwise."""
+        try:
+            backend = cls(name)
+        except ValueError:
+            raise ModelLoadError(
+                "model.attention_backend", f"must be one of {[b.value for b in cls]}, got {name!r}"
+            ) from None
+        probe = torch.zeros(1, 1, 2, 8, device=device, dtype=dtype)
+        try:
+            with backend.running():
+                F.scaled_dot_product_attention(probe, probe, probe)
+        except RuntimeError:
+            raise ModelLoadError(
+                "model.attention_backend", f"{name!r} has no {dtype} kernel on {torch.device(device).type} in this torch build"
+            ) from None
+        return backend
+
+
+_SDPA_BACKENDS = {
+    AttentionBackend.MATH: SDPBackend.MATH,
+    AttentionBackend.FLASH: SDPBackend.FLASH_ATTENTION,
+    AttentionBackend.EFFICIENT: SDPBackend.EFFICIENT_ATTENTION,
+    AttentionBackend.CUDNN: SDPBackend.CUDNN_ATTENTION,
+}
 
 
 # Operations run one sample at a time: the parameters, in positional order, that carry the batch

@@ -15,7 +15,7 @@ import torch
 
 from rollout.conditioning import BucketedConditioning, Conditioning
 from rollout.errors import InvalidRequestError
-from rollout.kernels import branches_in_one_call
+from rollout.kernels import AttentionBackend, branches_in_one_call
 from rollout.micro_batching import MicroBatching
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
@@ -234,6 +234,8 @@ class RolloutPipeline(Protocol):
     experts: tuple[str, ...]
     # The input images a prompt takes (none for a text-to-image or text-to-video model).
     condition_images: ConditionImageRule
+    # The attention kernel every denoiser call runs, in the rollout and in its replay alike.
+    attention: AttentionBackend
 
     @property
     def device(self) -> torch.device: ...

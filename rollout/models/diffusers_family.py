@@ -31,7 +31,7 @@ from torch import nn
 from rollout.conditioning import BucketedConditioning, Conditioning, image_input_key
 from rollout.encoding_cache import ENCODING_CACHE_BYTES, EncodingCache
 from rollout.errors import ModelLoadError, UnknownPromptError
-from rollout.kernels import zero_padded
+from rollout.kernels import AttentionBackend, zero_padded
 from rollout.micro_batching import MicroBatching
 from rollout.models.base import (
     ConditionImageRule,
@@ -115,6 +115,7 @@ class DiffusersFamily:
     negative_branch: ClassVar[NegativeBranchRule]
     condition_images: ClassVar[ConditionImageRule] = ConditionImageRule()  # text only
     text_sees_images: ClassVar[bool] = False  # whether the text encoder reads the input images too
+    attention: AttentionBackend = AttentionBackend.DEFAULT  # `load_pipeline` pins the configured one
 
     def __init__(
         self,
@@ -420,7 +421,8 @@ class DiffusersFamily:
         if not 0 <= expert < len(self.experts):
             raise ValueError(f"model {self.name!r} has the denoisers {list(self.experts)}, not expert {expert}")
         denoiser = getattr(self.pipe, self.experts[expert])
-        output = denoiser(hidden_states=hidden_states.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)
+        with self.attention.running():
+            output = denoiser(hidden_states=hidden_states.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)
         return output[0].float()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

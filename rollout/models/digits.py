@@ -20,6 +20,7 @@ from torch import nn
 
 from rollout.conditioning import BucketedConditioning, Conditioning
 from rollout.errors import InvalidRequestError, UnknownPromptError, short_repr
+from rollout.kernels import AttentionBackend
 from rollout.micro_batching import MicroBatching
 from rollout.models.base import (
     ConditionImageRule,
@@ -132,6 +133,7 @@ class DigitFlowPipeline:
     token_pixels = PATCH_SIZE
     frames_per_latent = 1
     condition_images = ConditionImageRule()  # text (a digit) only
+    attention = AttentionBackend.DEFAULT  # `load_pipeline` pins the configured one
 
     def __init__(
         self,
@@ -282,7 +284,8 @@ class DigitFlowPipeline:
         return None  # an image model: nothing held
 
     def _velocity(self, x_t: torch.Tensor, timestep: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
-        output = self.transformer(hidden_states=x_t.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)
+        with self.attention.running():
+            output = self.transformer(hidden_states=x_t.to(self.dtype), timestep=timestep, return_dict=False, **kwargs)
         return output[0].float()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

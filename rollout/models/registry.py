@@ -16,6 +16,7 @@ import torch
 
 from rollout.encoding_cache import ENCODING_CACHE_BYTES
 from rollout.errors import ModelLoadError
+from rollout.kernels import AttentionBackend
 from rollout.micro_batching import MicroBatching
 from rollout.models.base import RolloutPipeline
 from rollout.models.choice import EMBEDDED_MODEL, check_model_choice
@@ -121,6 +122,7 @@ def load_pipeline(
     max_sequence_length: int | None = None,
     vae_tiling: bool | None = None,
     encoding_cache_bytes: int = ENCODING_CACHE_BYTES,
+    attention_backend: str = AttentionBackend.DEFAULT.value,
 ) -> RolloutPipeline:
     """Loads model `name` from `path` (see `resolve_model`) onto `device` (default: CUDA if present).
 
@@ -132,22 +134,26 @@ def load_pipeline(
         encoding_cache_bytes: host memory for the prompt and image encodings a diffusers family
             keeps between requests (`rollout.encoding_cache`); the embedded model's prompt encoder
             is a lookup table it trains, and keeps none.
+        attention_backend: the attention kernel the denoisers run (`AttentionBackend`); a trainer
+            replays with the server's. Raises `ModelLoadError` for one with no kernel on `device`.
     """
     check_model_choice(name, path, max_sequence_length, vae_tiling)
     name, model_path = resolve_model(name, path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    attention = AttentionBackend.checked(attention_backend, device, dtype)
     if name == EMBEDDED_MODEL:
         pipeline = DigitFlowPipeline.from_pretrained(model_path, torch_dtype=dtype, device=device)
         if micro_batching is not None:
             pipeline.micro_batching = micro_batching
-        return pipeline
-    family = _families()[name]
-    return family.from_pretrained(
-        model_path,
-        torch_dtype=dtype,
-        device=device,
-        micro_batching=micro_batching,
-        max_sequence_length=max_sequence_length,
-        vae_tiling=vae_tiling,
-        encoding_cache_bytes=encoding_cache_bytes,
-    )
+    else:
+        pipeline = _families()[name].from_pretrained(
+            model_path,
+            torch_dtype=dtype,
+            device=device,
+            micro_batching=micro_batching,
+            max_sequence_length=max_sequence_length,
+            vae_tiling=vae_tiling,
+            encoding_cache_bytes=encoding_cache_bytes,
+        )
+    pipeline.attention = attention
+    return pipeline

@@ -44,9 +44,10 @@ def serve_app(ray_cluster):
 
 @pytest.fixture(scope="session")
 def kernels_app(serve_app):
-    """One worker replica serving the embedded model under batch-invariant kernels: what a test
-    needs when requests must share its one sampler."""
-    app = deploy(serve_app, "kernels-test", num_worker_replicas=1, model={"batch_invariance": "kernels"})
+    """One worker replica serving the embedded model under batch-invariant kernels, attention pinned
+    to SDPA's math kernel: what a test needs when requests must share its one sampler."""
+    model = {"batch_invariance": "kernels", "attention_backend": "math"}
+    app = deploy(serve_app, "kernels-test", num_worker_replicas=1, model=model)
     yield app
     serve.delete(app.name)
 

@@ -1,5 +1,6 @@
-"""A worker serving under fixed-block kernels (`model.batch_invariance: kernels`): nothing padded,
-and a sample's bits are the library's for that sample alone, whatever it was batched with."""
+"""A worker serving under fixed-block kernels (`model.batch_invariance: kernels`) and SDPA's math
+kernel (`model.attention_backend: math`): nothing padded, and a sample's bits are the library's,
+loaded with the same kernels, for that sample alone, whatever it was batched with."""
 
 import torch
 
@@ -22,7 +23,8 @@ def test_served_samples_are_the_librarys_alone_and_nothing_is_padded(kernels_app
         (part,) = result.fetch().parts
         # One row a step for each sample of the sampler call (with padding: whole calls of 8 guided samples).
         assert part.transformer_rows == 5 * part.sampler_batch_size
-    library = load_pipeline(micro_batching=MicroBatching(16, invariance=BatchInvariance.KERNELS))
+    assert kernels_app.handle.info.remote().result()["attention_backend"] == "math"  # what a trainer loads
+    library = load_pipeline(micro_batching=MicroBatching(16, invariance=BatchInvariance.KERNELS), attention_backend="math")
     batch = group.batch()
     assert batch.samples[1].seed == 41 and batch.samples[1].prompt == "seven"
     for served in (*batch.samples, lone.batch().samples[0]):
