@@ -232,3 +232,30 @@ def kernels_for(invariance: BatchInvariance) -> contextlib.AbstractContextManage
     if invariance is BatchInvariance.PADDING:
         return contextlib.nullcontext()
     raise ValueError(f"unknown batch invariance {invariance!r}")
+
+
+class LinearAsWithoutGradients(TorchFunctionMode):
+    """`F.linear` under autograd, computing the bits it computes without: what makes a replay that
+    trains every weight give the rollout's log-probs.
+
+    On an input of three or more dimensions that is not contiguous (SD3's `to_add_out` is given
+    the context tokens' slice of the joint attention's output), PyTorch's linear runs a batched
+    product of the strided input without gradients, but folds the input into one matrix product
+    of a contiguous copy once the weight requires grad (`matmul`'s fold rule), which sums in
+    another order: about 1e-6 apart, measured on this project's CPU. Under this mode such a call
+    runs the batched product itself, gradients and all. Every other call is left as it is: a 2-D
+    or contiguous input takes the same kernel either way."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            names = ("input", "weight", "bias")
+            given = {**dict(zip(names, args)), **kwargs}
+            x, weight, bias = given["input"], given["weight"], given.get("bias")
+            if x.dim() >= 3 and not x.is_contiguous():
+                batched = x.reshape(-1, *x.shape[-2:])
+                out = torch.bmm(batched, weight.t().expand(batched.shape[0], *weight.t().shape))
+                if bias is not None:
+                    out = out + bias
+                return out.reshape(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)

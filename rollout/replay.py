@@ -16,6 +16,7 @@ import torch
 
 from rollout.conditioning import BucketedConditioning
 from rollout.errors import InvalidRequestError
+from rollout.kernels import LinearAsWithoutGradients
 from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import pad_buckets, predict_velocity
@@ -116,7 +117,8 @@ def transition_log_probs(
         x_t = latents[:, position[step]]
         x_next = latents[:, position[step + 1]]
         timestep, expert = schedule.model_timesteps[step], schedule.expert_at(step)
-        v = predict_velocity(pipeline, x_t, timestep, padded_conditioning, options, expert)
+        with LinearAsWithoutGradients():  # (under autograd: the rollout's kernels, see rollout.kernels)
+            v = predict_velocity(pipeline, x_t, timestep, padded_conditioning, options, expert)
         transition = take_step(
             options.transition_at(step),
             x_t,

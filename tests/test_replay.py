@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from rollout.errors import InvalidRequestError
+from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs, replayable_steps, transition_log_probs
 from rollout.sampler import sample
 from rollout.schedule import ScheduleSnapshot
+from rollout.testing.families import TINY_FAMILIES
 
 PROMPTS = ["0", "a handwritten 4", "nine"]
 SEEDS = [31, 32, 33]
@@ -93,18 +95,28 @@ def test_rebuilding_sigmas_from_timesteps_breaks_the_ratio(random_pipeline, rebu
         assert log_ratio_error > 1e-2  # visibly off: a PPO clip range is typically 1e-4 .. 0.2
 
 
-@pytest.mark.xfail(strict=True, reason="an open defect: a full fine-tune's differentiable replay is not bit-exact")
-def test_a_full_fine_tunes_differentiable_replay_is_bit_identical(embedded_pipeline):
-    """Found by tests/test_attention_backend.py's first draft (issue 49): with every transformer weight
-    trainable, `transition_log_probs` under autograd differs from the rollout by about 1e-6 on this
-    CPU. `F.linear` on a non-contiguous 3-D input (SD3's `to_add_out`, given the context tokens'
-    slice of the joint attention's output) runs `matmul` on the strided input without gradients,
-    and `addmm` on a contiguous copy when its weight requires grad. A LoRA adapter's replay, where
-    the base weights stay frozen, is exact (test_attention_backend.py, the GRPO example's ratio)."""
-    batch = sample(embedded_pipeline, ["7", "nine"], [3, 4], SamplingOptions(num_inference_steps=3))
-    trainer_model = copy.deepcopy(embedded_pipeline)
-    trainer_model.transformer.requires_grad_(True)
+@pytest.mark.parametrize("name", ["embedded-digits", "sd3", "flux", "qwenimage"])
+@pytest.mark.parametrize("guided", [True, False], ids=["guided", "unguided"])
+def test_a_full_fine_tunes_differentiable_replay_is_bit_identical(name, guided, tiny_family_dirs, one_torch_thread):
+    """A counterexample found by tests/test_attention_backend.py's first draft (issue 49): with every
+    transformer weight trainable, `transition_log_probs` under autograd was about 1e-6 from the
+    rollout on this CPU. `F.linear` on a non-contiguous 3-D input (SD3's `to_add_out`, given the
+    context tokens' slice of the joint attention's output) runs a batched product without
+    gradients and one matrix product of a contiguous copy when its weight requires grad; the
+    replay now runs the former under autograd too (`rollout.kernels.LinearAsWithoutGradients`)."""
+    record = TINY_FAMILIES[name]
+    path = None if name == "embedded-digits" else tiny_family_dirs[name]
+    pipeline = load_pipeline(record.family.name, path, device="cpu")
+    size = {} if name == "embedded-digits" else dict(height=32, width=32)
+    options = SamplingOptions(num_inference_steps=3, **size, **((record.guided if guided else record.unguided) or {}))
+    batch = sample(pipeline, ["7", "nine"], [3, 4], options)
+    for module in pipeline.weight_modules.values():
+        module.requires_grad_(True)  # the trainer's own copy, every weight trained
     steps = replayable_steps(batch.samples[0].latent_step_indices)
     with torch.enable_grad():
-        replayed = transition_log_probs(trainer_model, batch.schedule, batch.options, batch.samples, steps)
+        replayed = transition_log_probs(pipeline, batch.schedule, batch.options, batch.samples, steps)
+        replayed.sum().backward()
     assert torch.equal(replayed.detach(), rollout_log_probs(batch, steps))
+    for expert in pipeline.experts:  # the loss reaches the denoiser's weights, finite
+        gradients = [p.grad for p in pipeline.weight_modules[expert].parameters() if p.grad is not None]
+        assert gradients and all(torch.isfinite(g).all() for g in gradients)
