@@ -74,7 +74,9 @@ def velocities(family: str, batch: int, size: int, repeats: int, device: str) ->
             key = f"{mode}_{'grad' if grad else 'no_grad'}"
             outputs[key], found[f"{key}_first_s"], found[f"{key}_s"] = timed(grad)
     torch._dynamo.reset()
-    same = lambda a, b: bool(torch.equal(bits(outputs[a]), bits(outputs[b])))  # noqa: E731
+    def same(a: str, b: str) -> bool:
+        return bool(torch.equal(bits(outputs[a]), bits(outputs[b])))
+
     found["eager_no_grad_equals_grad"] = same("eager_no_grad", "eager_grad")
     found["compiled_no_grad_equals_grad"] = same("compiled_no_grad", "compiled_grad")
     found["compiled_equals_eager"] = same("compiled_no_grad", "eager_no_grad")

@@ -31,12 +31,11 @@ from rollout.offload import HostCopies  # noqa: E402
 from rollout.weight_sync import (  # noqa: E402
     BUCKET_BYTES,
     SharedBucket,
+    TensorSpec,
     WeightGroup,
     _SharedMemory,
     buckets_of,
     copy_out,
-    iter_specs,
-    spec_lists,
     specs_of,
 )
 
@@ -86,9 +85,7 @@ def release_and_resume(tensors: dict[str, torch.Tensor], device: str) -> dict:
     return found
 
 
-def _copy_out_child(connection, buckets: list[dict], lists: dict, device: str) -> None:
-    specs = list(iter_specs(lists["names"], lists["dtypes"], lists["shapes"]))
-    shared = [SharedBucket(**bucket) for bucket in buckets]
+def _copy_out_child(connection, shared: list[SharedBucket], specs: list[TensorSpec], device: str) -> None:
     start = time.perf_counter()
     packed = copy_out(shared, specs, BUCKET_BYTES, torch.device(device))
     seconds = time.perf_counter() - start
@@ -106,8 +103,7 @@ def shared_buckets(tensors: dict[str, torch.Tensor], device: str) -> dict:
         ))  # fmt: skip
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe()
-        buckets = [{"shm_name": b.shm_name, "cuda_ipc": b.cuda_ipc} for b in shared]
-        child = context.Process(target=_copy_out_child, args=(theirs, buckets, spec_lists(specs), device))
+        child = context.Process(target=_copy_out_child, args=(theirs, shared, specs, device))
         child.start()
         if not ours.poll(CHILD_TIMEOUT_S):
             child.kill()
@@ -124,10 +120,9 @@ def shared_buckets(tensors: dict[str, torch.Tensor], device: str) -> dict:
     }
 
 
-def _receiving_rank(connection, port: int, lists: dict, backend: str) -> None:
+def _receiving_rank(connection, port: int, specs: list[TensorSpec], backend: str) -> None:
     if backend == "nccl":
         torch.cuda.set_device(1)
-    specs = list(iter_specs(lists["names"], lists["dtypes"], lists["shapes"]))
     group = WeightGroup.join("127.0.0.1", port, 1, 2, "transfer", backend, CHILD_TIMEOUT_S)
     start = time.perf_counter()
     packed = group.receive(specs, BUCKET_BYTES)
@@ -144,7 +139,7 @@ def broadcast(tensors: dict[str, torch.Tensor], device: str) -> dict:
     port = free_port()
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
-    child = context.Process(target=_receiving_rank, args=(theirs, port, spec_lists(specs_of(tensors)), backend))
+    child = context.Process(target=_receiving_rank, args=(theirs, port, specs_of(tensors), backend))
     child.start()
     group = WeightGroup.join("127.0.0.1", port, 0, 2, "transfer", backend, CHILD_TIMEOUT_S)
     send_s = timed(device, lambda: group.send(tensors, BUCKET_BYTES))

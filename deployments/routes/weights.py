@@ -115,17 +115,19 @@ class WeightRoutes:
             target_modules=target_modules, lora_rank=lora_rank, lora_alpha=lora_alpha, bucket_bytes=bucket_bytes,
             checksum=checksum, delta_from=delta_from, changed=changed,
         )  # fmt: skip
-        return await self._packed_update(UpdateWeightsFromDistributedRequest, fields)
+        return _raise_unless_applied(await self._packed_update(UpdateWeightsFromDistributedRequest, fields))
 
     async def update_weights_from_shared_memory(self, buckets: list[dict], **fields: Any) -> UpdateResult:
         """Handle API: every replica copies out the buckets a trainer on its machine shares
         (`rollout.weight_sync.SharedMemorySender`) and serves them, all or none; `fields` are
         `update_weights_from_distributed`'s but `group_name`. Raises `WeightUpdateError` naming the cause."""
-        return await self._packed_update(UpdateWeightsFromSharedMemoryRequest, {**fields, "buckets": buckets})
+        fields = {**fields, "buckets": buckets}
+        return _raise_unless_applied(await self._packed_update(UpdateWeightsFromSharedMemoryRequest, fields))
 
-    async def _packed_update(self, request: type[PackedUpdateRequest], fields: dict[str, Any]) -> UpdateResult:
+    async def _packed_update(self, request: type[PackedUpdateRequest], fields: Any) -> UpdateResult:
+        """An update packed in buckets, its fields (a handle's arguments, an HTTP body) checked as `request`."""
         body = parse_body(request, fields)
-        return _raise_unless_applied(await self._update(_packed_source(body), body.weight_version))
+        return await self._update(_packed_source(body), body.weight_version)
 
     async def destroy_weights_update_group(self, group_name: str = "rollout") -> UpdateResult:
         """Handle API: every replica leaves the group."""
@@ -187,16 +189,14 @@ class WeightRoutes:
     @route("POST", "/update_weights_from_distributed", operator=True)
     async def http_update_weights_from_distributed(self, http_request: Request) -> Response:
         async def update() -> UpdateResult:
-            body = parse_body(UpdateWeightsFromDistributedRequest, await self.bodies.read(http_request))
-            return await self._update(_packed_source(body), body.weight_version)
+            return await self._packed_update(UpdateWeightsFromDistributedRequest, await self.bodies.read(http_request))
 
         return await _answered(update)
 
     @route("POST", "/update_weights_from_shared_memory", operator=True)
     async def http_update_weights_from_shared_memory(self, http_request: Request) -> Response:
         async def update() -> UpdateResult:
-            body = parse_body(UpdateWeightsFromSharedMemoryRequest, await self.bodies.read(http_request))
-            return await self._update(_packed_source(body), body.weight_version)
+            return await self._packed_update(UpdateWeightsFromSharedMemoryRequest, await self.bodies.read(http_request))
 
         return await _answered(update)
 
