@@ -286,7 +286,7 @@ class Suite:
 
     def against_the_diffusers_pipeline(self) -> None:
         """Issue 18's comparison: the rollout against the family's own diffusers pipeline, at the
-        micro-batch sizes `calibrate` picks for it, against the pipeline decoding nothing (issue 18's
+        micro-batch sizes a worker replica measures at start-up, against the pipeline decoding nothing (issue 18's
         baseline) and decoding its images too (equal work)."""
         loads = [(1, False), (16, False), (64, False), (16, True), (64, True)]
         pipeline_outputs = ("latent", "pt")
@@ -341,9 +341,9 @@ class Suite:
             f"`benchmarks/throughput.py` (details, other micro-batch sizes, and the runs before issue 18: "
             f"docs/throughput.md): tiny SD3, FLUX.1 and Qwen-Image copies widened to width 128, 128 x 128 px, ODE, "
             f"every latent and log-prob kept, batch invariance by padding and by batch-invariant kernels, "
-            f"{os.cpu_count()} torch threads, each family at the transformer's and the VAE's micro-batch sizes "
-            f"`rollout.calibration.calibrate` picks for it, with CFG, for batches of 16 (under the kernels the VAE "
-            f"decodes an image a call):",
+            f"{os.cpu_count()} torch threads, each family at the transformer's and the VAE's micro-batch sizes a "
+            f"worker replica measures for it at start-up by default (`rollout.calibration.calibrate_at_start`: the "
+            f"model's default guidance, batches of 16; under the kernels the VAE decodes an image a call):",
             "",
             *(f"- {report}" for report in calibrations),
             "",

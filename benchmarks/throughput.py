@@ -35,7 +35,7 @@ from typing import Self
 import torch
 
 from benchmarks.serving import Spread, take_turns
-from rollout.calibration import calibrate
+from rollout.calibration import STARTUP_BUDGET_S, CalibrationCache, calibrate_at_start
 from rollout.kernels import BatchInvariance
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
@@ -48,7 +48,6 @@ SIZE = 128
 TRANSFORMER_HEADS = 8  # width 128
 STEPS = {name: record.throughput_steps for name, record in TINY_FAMILIES.items() if record.throughput_steps}
 PROMPT = "a photo of a cat"
-CALIBRATION_CANDIDATES = (1, 2, 4, 8, 16)
 MEMORY_LOAD = {"batch_size": 64, "steps": 50, "size": 256}  # issue 18's memory figure
 
 
@@ -92,9 +91,12 @@ def runs(family, name: str, batch_size: int, cfg: bool, pipeline_outputs=("laten
 
 
 def calibrated_sizes(path: Path, name: str) -> tuple[int, int, str]:
-    """The transformer's and the VAE's micro-batch sizes `rollout.calibration` picks for the family
-    at SIZE, with CFG, and its times."""
-    calibration = calibrate(load_pipeline(None, path), SIZE, SIZE, CALIBRATION_CANDIDATES, guidance_of(name, cfg=True))
+    """The transformer's and the VAE's micro-batch sizes a worker replica serves the family with at
+    SIZE by default: measured at its start (`rollout.calibration.calibrate_at_start`, the model's
+    default guidance, the default budget), and its times."""
+    with tempfile.TemporaryDirectory() as cache:
+        startup = calibrate_at_start(load_pipeline(None, path), [(SIZE, SIZE)], STARTUP_BUDGET_S, CalibrationCache(Path(cache)))
+    (calibration,) = startup.measured
 
     def ms(per_sample: dict[int, float]) -> str:
         return "{" + ", ".join(f"{rows}: {seconds * 1e3:.2f}" for rows, seconds in per_sample.items()) + "}"
@@ -102,7 +104,7 @@ def calibrated_sizes(path: Path, name: str) -> tuple[int, int, str]:
     report = (
         f"{name}: ms per sample, rollout less its decode {ms(calibration.denoising_seconds_per_sample)}, "
         f"decode {ms(calibration.decode_seconds_per_sample)}; chosen for batches of {calibration.load}: "
-        f"{calibration.chosen} for the transformer, {calibration.chosen_for_decode} for the VAE"
+        f"{calibration.chosen} for the transformer, {calibration.chosen_for_decode} for the VAE ({startup.notes[0]})"
     )
     return calibration.chosen, calibration.chosen_for_decode, report
 
@@ -288,7 +290,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 16], help="none (and no CFG ones): only --memory")
     parser.add_argument("--cfg-batch-sizes", type=int, nargs="*", default=[16], help="batch sizes also run with CFG")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--calibrate", action="store_true", help="also measure the size calibrate picks")
+    parser.add_argument("--calibrate", action="store_true", help="also the sizes a worker replica measures at start-up")
     parser.add_argument("--output", type=Path, help="write the table, with the command and machine, here")
     parser.add_argument("--families", nargs="+", choices=list(STEPS), default=list(STEPS))
     parser.add_argument("--memory", action="store_true", help="also the peak memory table (B=64, T=50, 256 px)")
@@ -312,7 +314,7 @@ def main() -> None:
             )
             lines = table(cells, loads)
             if calibrations:
-                lines += ["", "Calibration (`rollout.calibration.calibrate`, with CFG):", "", *(f"- {c}" for c in calibrations)]
+                lines += ["", "Measured at a worker replica's start (`rollout.calibration.calibrate_at_start`):", "", *(f"- {c}" for c in calibrations)]
         if args.memory:
             memory = peak_memory(families, **MEMORY_LOAD)
             lines += ["", *memory_table(memory, **MEMORY_LOAD)]

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from rollout.calibration import STARTUP_BUDGET_S
 from rollout.encoding_cache import ENCODING_CACHE_BYTES
 from rollout.errors import (
     FieldError,
@@ -30,7 +31,7 @@ from rollout.errors import (
     clip,
     short_repr,
 )
-from rollout.micro_batching import MicroBatching
+from rollout.micro_batching import MicroBatching, parse_image_size
 from rollout.models.choice import EMBEDDED_MODEL, check_model_choice
 from rollout.plan import RequestLimits
 from rollout.schema import RequestValidation
@@ -112,6 +113,24 @@ class ModelConfig(BaseModel):
         description="Host memory (MiB) each worker replica keeps prompt and image encodings in, reused by later "
         "requests with the same prompt, images and size (the same tensors); 0: none. Diffusers families only.",
     )
+    calibration_budget_s: float = Field(
+        STARTUP_BUDGET_S,
+        ge=0,
+        le=3600,
+        description="Seconds a worker replica may spend at start-up measuring the transformer's and the VAE's "
+        "micro-batch sizes (rollout.calibration.calibrate_at_start) for the model's default image size and each of "
+        "`calibration_sizes` whose `micro_batch_sizes` entry is not given; 0, or a `micro_batch_size`: none. Image "
+        "families from a diffusers directory only (not the embedded model, whose bits are the reference digests, "
+        "nor video families). Replicas keep the result on disk and serve the sizes the first of them measured.",
+    )
+    calibration_sizes: list[str] = Field(
+        default_factory=list, max_length=16, description="Image sizes to calibrate at start-up besides the default, e.g. ['1024x1024']."
+    )
+    calibration_cache_dir: str | None = Field(
+        None,
+        description="Directory (on each worker node) the start-up calibrations are kept in between starts; None: "
+        "$XDG_CACHE_HOME (else ~/.cache)/diffusion-rollout/calibration.",
+    )
     # On a cluster the builder may run on a node without the weights (a CPU head, GPU workers scaled
     # to zero): there a bad directory can only fail the worker replicas' start.
     check_path_at_build: bool = Field(
@@ -119,6 +138,14 @@ class ModelConfig(BaseModel):
         description="Check `path` when the app is built (it exists and holds the model), so that a bad one fails "
         "the start at once; false where only the worker nodes have the directory.",
     )
+
+    @field_validator("calibration_sizes")
+    @classmethod
+    def _calibration_sizes_parse(cls, sizes: list[str]) -> list[str]:
+        for size in sizes:
+            if parse_image_size(size) is None:
+                raise ValueError(f"sizes look like '512x512', got {clip(size)!r}")
+        return sizes
 
     @field_validator("micro_batch_sizes", "decode_batch_sizes")
     @classmethod
@@ -146,6 +173,15 @@ class ModelConfig(BaseModel):
     def described(self) -> str:
         """The model and where its weights come from, for the ready lines: `flux (/models/flux)`."""
         return f"{self.label()} ({self.path or 'packaged weights'})"
+
+    def sizes_to_calibrate(self, default_size: tuple[int, int]) -> list[tuple[int, int]]:
+        """The image sizes a worker replica measures micro-batch sizes for at start-up: the model's
+        default and `calibration_sizes`, less those the configuration gives sizes for."""
+        if self.calibration_budget_s == 0 or self.micro_batch_size is not None:
+            return []
+        given = set(MicroBatching.parse(1, self.micro_batch_sizes).by_size)
+        sizes = [default_size, *map(parse_image_size, self.calibration_sizes)]
+        return [size for size in dict.fromkeys(sizes) if size not in given]
 
     def micro_batching(self, model_default: int) -> MicroBatching:
         """The configured micro-batches and batch invariance; sizes not listed keep `micro_batch_size`,

@@ -277,6 +277,7 @@ class WeightCoordinator:
         # checkpoint's headers are checked against before its data is read.
         self.layouts: dict[str, dict[str, TensorLayout]] = {}
         self._one_at_a_time = asyncio.Lock()
+        self.agreed_micro_batches: dict[str, dict[str, dict[str, int]]] = {}
 
     # Worker replicas ---------------------------------------------------------------------------
 
@@ -303,6 +304,15 @@ class WeightCoordinator:
             if catch_up:
                 catch_up.append(Posted(last_seq, CommitWeights()))
             return catch_up, last_seq
+
+    async def agree_micro_batches(self, key: str, offered: dict[str, dict[str, int]] | None) -> dict | None:
+        """The micro-batch sizes every replica that calibrates under `key` (its model, device and
+        sizes: `rollout.calibration.digest_of`) serves with: the first offered. None offers
+        nothing and asks. A coordinator that restarts forgets them; a replica measuring again on a
+        machine that keeps them (`rollout.calibration.CalibrationCache`) reads the same."""
+        if offered is not None:
+            self.agreed_micro_batches.setdefault(key, offered)
+        return self.agreed_micro_batches.get(key)
 
     async def next_commands(self, replica: str, after_seq: int) -> list[Posted] | None:
         return await self.commands.next_commands(replica, after_seq)

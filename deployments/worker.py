@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import ray
 import torch
@@ -15,7 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.batching import Abandoned, BatchingQueue
 from deployments.broadcast import Follower
-from deployments.config import RolloutAppConfig
+from deployments.config import ModelConfig, RolloutAppConfig
 from deployments.memory import MemoryOccupation
 from deployments.weights import ServedWeights
 from deployments.work import (
@@ -29,7 +30,12 @@ from rollout.calibration import (
     CALIBRATION_PROMPT,
     CALIBRATION_STEPS,
     UNGUIDED,
+    CalibrationCache,
+    calibrate_at_start,
     calibration_images,
+    calibration_keys,
+    default_cache_directory,
+    digest_of,
     require_batch_invariance,
 )
 from rollout.cost import CostFacts, transformer_cost
@@ -86,14 +92,18 @@ class RolloutWorker:
             encoding_cache_bytes=model.encoding_cache_mib * 2**20,
             attention_backend=model.attention_backend,
         )
-        micro_batching = self.pipeline.micro_batching = model.micro_batching(self.pipeline.micro_batching.default)
+        self.pipeline.micro_batching = model.micro_batching(self.pipeline.micro_batching.default)
+        default_size = (self.pipeline.default_height, self.pipeline.default_width)
+        if self.pipeline.calibrated_at_start and (sizes := model.sizes_to_calibrate(default_size)):
+            calibrated = await self._calibrated_sizes(sizes, model, coordinator)
+            self.pipeline.micro_batching = self.pipeline.micro_batching.with_calibrated(**calibrated)
+        micro_batching = self.pipeline.micro_batching
         # At the model's default image size and each one configured, on the sampling thread: its
         # torch threads are part of what the kernels do. Video families under padding are left to
         # `calibrate`: the check would cost a transformer call of the micro-batch's full-length
         # videos at every start (minutes for the tiny Wan copy on a CPU), and their VAE decodes a
         # video a call whatever the size.
         if micro_batching.invariance is BatchInvariance.KERNELS or self.pipeline.default_num_frames == 1:
-            default_size = (self.pipeline.default_height, self.pipeline.default_width)
             for height, width in sorted({default_size, *micro_batching.by_size, *micro_batching.decode_by_size}):
                 await self._on_sampling_thread(require_batch_invariance, self.pipeline, height, width)
         self.config = config
@@ -120,6 +130,29 @@ class RolloutWorker:
         )
         self._coordinator = coordinator
         await self.follower.start()
+
+    async def _calibrated_sizes(
+        self, sizes: list[tuple[int, int]], model: ModelConfig, coordinator: DeploymentHandle
+    ) -> dict[str, dict[str, int]]:
+        """The micro-batch sizes this app's replicas sample `sizes` with on this kind of device: the
+        sizes a replica offered first, else those measured here (or kept on this machine) and
+        offered. A sample's bits depend on the size of its calls: replicas that each kept their own
+        measurement would give one seed two results."""
+        keys = await self._on_sampling_thread(calibration_keys, self.pipeline, sizes)
+        agreement = digest_of(keys)
+        agreed = await coordinator.agree_micro_batches.remote(agreement, None)
+        if agreed is None:
+            directory = model.calibration_cache_dir
+            cache = CalibrationCache(default_cache_directory() if directory is None else Path(directory))
+            measured = await self._on_sampling_thread(
+                calibrate_at_start, self.pipeline, sizes, model.calibration_budget_s, cache
+            )
+            for note in measured.notes:
+                logger.info("micro-batch sizes at %s", note)
+            offered = {"micro_batch_sizes": measured.micro_batch_sizes, "decode_batch_sizes": measured.decode_batch_sizes}
+            agreed = await coordinator.agree_micro_batches.remote(agreement, offered)
+        logger.info("serving with micro-batch sizes %s", agreed)
+        return agreed
 
     async def _register(self):
         actor = ray.get_runtime_context().current_actor
@@ -170,6 +203,7 @@ class RolloutWorker:
             "pipeline_class": getattr(self.pipeline, "diffusers_pipeline", type(self.pipeline).__name__),
             "dtype": self.config.model.dtype,
             "attention_backend": self.pipeline.attention.value,  # what a trainer replays with
+            "micro_batching": self.pipeline.micro_batching.describe(),  # and these
             "scheduler": {"class_name": type(scheduler).__name__, "config": dict(scheduler.config)},
             "default_height": self.pipeline.default_height,
             "default_width": self.pipeline.default_width,

@@ -21,9 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import platform
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,6 +41,7 @@ from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, pad_conditioning, resolve_options, rows_per_sample, sample_tree
 from rollout.tree import TreeRoot
+from rollout.weights import weights_layout
 
 DEFAULT_CANDIDATES = (1, 2, 4, 8, 16, 32)
 # An RL group: Flow-GRPO and DanceGRPO sample 8 to 24 images a prompt, and a worker batches several.
@@ -42,6 +49,9 @@ DEFAULT_LOAD = 16
 # Sizes this close to the fastest for the load are within the timing's noise on a shared machine;
 # the smallest of them pads smaller loads least.
 DEFAULT_TOLERANCE = 0.02
+# What a worker replica may spend calibrating at start-up unless configured (`model.calibration_budget_s`):
+# the tiny copies take 5-15 s on this project's CPU.
+STARTUP_BUDGET_S = 300.0
 # Guidance off for every family: SD3's and the embedded model's CFG weight, FLUX.1's and
 # Qwen-Image's true CFG, Wan's and LTX-Video's CFG.
 UNGUIDED = {"guidance_scale": 1.0, "true_cfg_scale": 1.0}
@@ -87,6 +97,10 @@ class Calibration:
         checks: with padding, candidate size -> `check_batch_invariance` in calls of that size;
             a size at which the transformer (the VAE) gives a sample other bits at another position
             in the call is not chosen for it.
+        rounds: the timed rounds the times are the best of; 0 when the deadline passed during
+            the warm-ups, whose times were then the one round.
+        skipped: candidate size -> why it was not measured: "out of memory" (it and every larger
+            size), or "deadline" (not warmed before the deadline).
     """
 
     height: int
@@ -99,6 +113,8 @@ class Calibration:
     chosen: int
     chosen_for_decode: int | None
     checks: dict[int, "InvarianceCheck"]
+    rounds: int
+    skipped: dict[int, str]
 
     @property
     def size_key(self) -> str:
@@ -130,6 +146,7 @@ def calibrate(
     repeats: int = 5,
     load: int = DEFAULT_LOAD,
     tolerance: float = DEFAULT_TOLERANCE,
+    deadline: float | None = None,
 ) -> Calibration:
     """Times a rollout of `max(candidates)` samples (`CALIBRATION_STEPS` steps, then the decode)
     with the pipeline's transformer and VAE calls set to each candidate size in turn, under its
@@ -171,6 +188,13 @@ def calibrate(
             requests' of equal options).
         tolerance: how much more time for the load than the fastest size a smaller size may take
             and still be picked.
+        deadline: a `time.monotonic()` time after which no size is warmed up (the smallest always
+            is) and no round is timed; the sizes warmed by then are compared on the rounds timed by
+            then, or on their warm-ups if none was. The calibration then ends within one rollout
+            (and, with padding, one check) of it.
+
+    A size whose rollout runs out of the device's memory is left out, and so is every larger one;
+    a ValueError if the smallest does.
     """
     if not candidates or not all(map(_is_count, candidates)):
         raise ValueError(f"candidates must be integers >= 1, got {candidates!r}")
@@ -200,18 +224,37 @@ def calibrate(
             rollout_seconds = time.perf_counter() - started
         return rollout_seconds - decode_seconds[0], decode_seconds[0]
 
-    sizes = sorted(set(candidates))
     padding = micro_batching.invariance is BatchInvariance.PADDING
-    checks, samples_per_call = {}, {}
+    checks, samples_per_call, warm_ups, skipped = {}, {}, {}, {}
     try:
-        for rows in sizes:  # a warm-up each, and with padding the check that the size keeps a sample's bits
-            seconds_of(rows)
-            samples_per_call[rows] = micro_batch_size(pipeline, resolved)
-            if padding:
-                checks[rows] = check_batch_invariance(pipeline, height, width, guidance)
-        rounds = [{rows: seconds_of(rows) for rows in sizes} for _ in range(repeats)]
+        # A warm-up each, smallest first, and with padding the check that the size keeps a sample's
+        # bits; the sizes not warmed by the deadline (once one of whole samples' rows is), or as
+        # large as one that ran out of memory, are left out.
+        for rows in sorted(set(candidates)):
+            if any(warmed % per_sample == 0 for warmed in warm_ups) and _past(deadline):
+                skipped[rows] = "deadline"
+                continue
+            try:
+                warm_ups[rows] = seconds_of(rows)
+                samples_per_call[rows] = micro_batch_size(pipeline, resolved)
+                if padding:
+                    checks[rows] = check_batch_invariance(pipeline, height, width, guidance)
+            except torch.OutOfMemoryError:
+                _release_cached_memory(pipeline.device)
+                if not warm_ups:
+                    raise ValueError(
+                        f"calls of {rows} rows at {height}x{width} do not fit in {pipeline.device}'s memory"
+                    ) from None
+                skipped.update({larger: "out of memory" for larger in candidates if larger >= rows})
+                break
+        sizes = sorted(warm_ups)
+        rounds = []
+        while len(rounds) < repeats and not _past(deadline):
+            rounds.append({rows: seconds_of(rows) for rows in sizes})
     finally:
         pipeline.micro_batching = micro_batching
+    timed_rounds = len(rounds)
+    rounds = rounds or [warm_ups]
     denoising_seconds_per_sample = {rows: min(times[rows][0] for times in rounds) / samples for rows in sizes}
     decode_seconds_per_sample = {rows: min(times[rows][1] for times in rounds) / samples for rows in sizes}
 
@@ -232,6 +275,8 @@ def calibrate(
         "load": load,
         "denoising_seconds_for_load": denoising,
         "decode_seconds_for_load": decode,
+        "rounds": timed_rounds,
+        "skipped": skipped,
     }
     whole = {rows: denoising[rows] for rows in sizes if rows % per_sample == 0}
     if not padding:
@@ -288,6 +333,17 @@ def _decode_timed(pipeline: RolloutPipeline) -> Iterator[list[float]]:
             del pipeline.decode  # the class's method again
         else:
             pipeline.decode = own_decode
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _release_cached_memory(device: torch.device | str) -> None:
+    """Hands the blocks a failed allocation left cached back, so that the sizes still to measure
+    start from the memory a replica serves with."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _is_count(value) -> bool:
@@ -433,3 +489,198 @@ def require_batch_invariance(pipeline: RolloutPipeline, height: int, width: int)
         f"{check.device} with {torch.get_num_threads()} torch threads (they differ by {difference:.3g}), so padding "
         "cannot keep a sample's bits; use a size `python -m deployments calibrate` picks",
     )
+
+
+# At a replica's start ----------------------------------------------------------------------------
+
+
+def default_cache_directory() -> Path:
+    """Where calibrations are kept between starts unless told: `$XDG_CACHE_HOME` (else `~/.cache`)
+    `/diffusion-rollout/calibration`."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diffusion-rollout" / "calibration"
+
+
+def device_description(device: torch.device | str) -> str:
+    """The device as far as its kernels' speed goes: a GPU's name, compute capability and memory,
+    and CUDA's version; a CPU's model, vector instructions and the calling thread's torch threads."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        return (
+            f"{properties.name}, compute {properties.major}.{properties.minor}, "
+            f"{properties.total_memory // 2**20} MiB, CUDA {torch.version.cuda}"
+        )
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} torch threads"
+
+
+def startup_candidates(pipeline: RolloutPipeline, height: int, width: int, load: int = DEFAULT_LOAD) -> tuple[int, ...]:
+    """The sizes a replica tries at start-up: `DEFAULT_CANDIDATES` up to the rows of `load` samples
+    of the model's default request (two rows a guided sample where guidance runs in one call)."""
+    options = resolve_options(pipeline, SamplingOptions(height=height, width=width))
+    most = load * rows_per_sample(pipeline, options)
+    return tuple(rows for rows in DEFAULT_CANDIDATES if rows <= most)
+
+
+def calibration_key(pipeline: RolloutPipeline, height: int, width: int, load: int, candidates: tuple[int, ...]) -> dict:
+    """Everything a start-up calibration at this size depends on, as JSON: the model's architecture
+    and dtypes (its weights' layout, not their values, which updates change and speed does not
+    follow), the device, torch, the batch invariance and attention kernel, the size, the model's
+    default guidance (which sets a sample's rows), the load and the candidates."""
+    options = resolve_options(pipeline, SamplingOptions(height=height, width=width))
+    layout = sorted(
+        (module, name, list(tensor.shape), str(tensor.dtype))
+        for module, tensors in weights_layout(pipeline.weight_modules).items()
+        for name, tensor in tensors.items()
+    )
+    return {
+        "model": pipeline.name,
+        "architecture": hashlib.sha256(json.dumps(layout).encode()).hexdigest(),
+        "device": device_description(pipeline.device),
+        "torch": torch.__version__,
+        "batch_invariance": pipeline.micro_batching.invariance.value,
+        "attention_backend": pipeline.attention.value,
+        "size": f"{height}x{width}",
+        "guidance": {"guidance_scale": options.guidance_scale, "true_cfg_scale": options.true_cfg_scale},
+        "load": load,
+        "candidates": list(candidates),
+    }
+
+
+def calibration_keys(pipeline: RolloutPipeline, sizes: list[tuple[int, int]], load: int = DEFAULT_LOAD) -> list[dict]:
+    """`calibration_key` of each size with its `startup_candidates`. The device's description counts
+    the calling thread's torch threads: call it on the thread that samples."""
+    return [calibration_key(pipeline, h, w, load, startup_candidates(pipeline, h, w, load)) for h, w in sizes]
+
+
+def digest_of(keys: list[dict]) -> str:
+    """One short name for calibration keys: what a cache file, and the replicas' agreement on sizes,
+    are named by."""
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class CalibrationCache:
+    """Start-up calibrations kept on disk, a JSON file per `calibration_key`, so that a replica that
+    starts again on the same machine and model measures nothing. One calibration runs at a time on
+    a machine (`one_at_a_time`): two at once would each time the other's work too. An unreadable
+    or foreign file reads as absent; a directory that cannot be written keeps nothing."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+
+    def _file(self, key: dict) -> Path:
+        return self.directory / f"{digest_of([key])}.json"
+
+    def read(self, key: dict) -> tuple[int, int | None] | None:
+        """The transformer's and the VAE's sizes kept for `key`, or None."""
+        try:
+            record = json.loads(self._file(key).read_text())
+            chosen, chosen_for_decode = record["chosen"], record["chosen_for_decode"]
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        if record.get("key") != key or not _is_count(chosen) or not (chosen_for_decode is None or _is_count(chosen_for_decode)):
+            return None
+        return chosen, chosen_for_decode
+
+    def write(self, key: dict, calibration: Calibration) -> None:
+        record = {
+            "key": key,
+            "chosen": calibration.chosen,
+            "chosen_for_decode": calibration.chosen_for_decode,
+            "denoising_seconds_for_load": calibration.denoising_seconds_for_load,
+            "decode_seconds_for_load": calibration.decode_seconds_for_load,
+            "rounds": calibration.rounds,
+            "skipped": calibration.skipped,
+        }
+        with contextlib.suppress(OSError):  # a read-only cache directory keeps nothing
+            self.directory.mkdir(parents=True, exist_ok=True)
+            written = self._file(key).with_suffix(f".{os.getpid()}.tmp")
+            written.write_text(json.dumps(record, indent=1))
+            written.replace(self._file(key))  # whole, for a replica reading it meanwhile
+
+    @contextlib.contextmanager
+    def one_at_a_time(self, deadline: float) -> Iterator[bool]:
+        """Holds the machine's calibration lock while open, waiting for it until `deadline`; yields
+        whether it is held (False: the wait ran out, or there is no lock file to hold)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock = open(self.directory / "calibrating.lock", "a")
+        except OSError:
+            yield False
+            return
+        with lock:
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if _past(deadline):
+                        yield False
+                        return
+                    time.sleep(0.2)
+            try:
+                yield True
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@dataclass(frozen=True)
+class StartupCalibration:
+    """The sizes a replica measured or read at start-up, in the app config's form.
+
+    Attributes:
+        micro_batch_sizes: `"<height>x<width>"` -> the transformer's rows per call.
+        decode_batch_sizes: `"<height>x<width>"` -> images per VAE call (none under batch-invariant
+            kernels, which decode an image a call).
+        notes: a line per image size: where its sizes came from, or why it has none.
+        measured: the calibrations run (not those read from the cache).
+    """
+
+    micro_batch_sizes: dict[str, int]
+    decode_batch_sizes: dict[str, int]
+    notes: list[str]
+    measured: list[Calibration]
+
+
+def calibrate_at_start(
+    pipeline: RolloutPipeline,
+    sizes: list[tuple[int, int]],
+    budget_s: float,
+    cache: CalibrationCache,
+    load: int = DEFAULT_LOAD,
+) -> StartupCalibration:
+    """The micro-batch sizes for each of `sizes` on this device: read from `cache`, else measured by
+    `calibrate` (the model's default guidance, `startup_candidates`) and kept there. All of it,
+    waiting for another calibration on the machine included, within `budget_s` seconds (a size
+    reached after that keeps the model's default), give or take one rollout at one size."""
+    deadline = time.monotonic() + budget_s
+    chosen, chosen_for_decode, notes, measured = {}, {}, [], []
+    with cache.one_at_a_time(deadline):
+        for (height, width), key in zip(sizes, calibration_keys(pipeline, sizes, load)):
+            size = f"{height}x{width}"
+            kept = cache.read(key)
+            if kept is None and _past(deadline):
+                notes.append(f"{size}: not calibrated: the {budget_s:g} s budget ran out")
+                continue
+            if kept is None:
+                started = time.monotonic()
+                candidates = tuple(key["candidates"])
+                calibration = calibrate(pipeline, height, width, candidates, load=load, deadline=deadline)
+                cache.write(key, calibration)
+                measured.append(calibration)
+                kept = calibration.chosen, calibration.chosen_for_decode
+                skipped = f", skipped {calibration.skipped}" if calibration.skipped else ""
+                notes.append(
+                    f"{size}: measured in {time.monotonic() - started:.1f} s ({calibration.rounds} rounds{skipped})"
+                )
+            else:
+                notes.append(f"{size}: read from {cache.directory}")
+            chosen[size], decode = kept
+            if decode is not None:
+                chosen_for_decode[size] = decode
+    return StartupCalibration(chosen, chosen_for_decode, notes, measured)

@@ -8,6 +8,7 @@ without any model library) parses and checks it, and every pipeline serves with 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -110,6 +111,28 @@ class MicroBatching:
             decode_default,
             _by_image_size("decode_batch_sizes", decode_by_size),
         )
+
+    def with_calibrated(self, micro_batch_sizes: Mapping[str, int], decode_batch_sizes: Mapping[str, int]) -> "MicroBatching":
+        """These sizes, measured on the device (`rollout.calibration.calibrate_at_start`), where
+        the configuration gives none: a size configured for an image size, or a `decode_default`
+        for every size, is kept."""
+        decode = {} if self.decode_default is not None else _by_image_size("decode_batch_sizes", decode_batch_sizes)
+        return dataclasses.replace(
+            self,
+            by_size={**_by_image_size("micro_batch_sizes", micro_batch_sizes), **self.by_size},
+            decode_by_size={**decode, **self.decode_by_size},
+        )
+
+    def describe(self) -> dict:
+        """As JSON, for `/rollout/info`: `MicroBatching.parse(**described)` is this again, for a
+        trainer to replay with the sizes the replicas sample with."""
+        return {
+            "default": self.default,
+            "by_size": _keyed(self.by_size),
+            "invariance": self.invariance.value,
+            "decode_default": self.decode_default,
+            "decode_by_size": _keyed(self.decode_by_size),
+        }
 
     def size_for(self, height: int, width: int) -> int:
         return self.by_size.get((height, width), self.default)

@@ -8,13 +8,23 @@ reproduce it, and the schedule must be the scheduler's own after the pipeline se
 import json
 import shutil
 import threading
+import time
 
 import pytest
 import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from rollout.calibration import UNGUIDED, calibrate, check_batch_invariance, require_batch_invariance
+from rollout.calibration import (
+    UNGUIDED,
+    CalibrationCache,
+    calibrate,
+    calibrate_at_start,
+    calibration_keys,
+    check_batch_invariance,
+    digest_of,
+    require_batch_invariance,
+)
 from rollout.checkpoints import disk_update
 from rollout.cost import CostFacts
 from rollout.errors import InvalidRequestError, ModelLoadError
@@ -301,6 +311,76 @@ def test_calibration_picks_only_whole_guided_samples_rows_for_a_transformer_that
     assert calibrate(pipeline, SIZE, SIZE, (1, 2), UNGUIDED, repeats=1, tolerance=float("inf")).chosen == 1
     with pytest.raises(ValueError, match="add an even candidate"):
         calibrate(pipeline, SIZE, SIZE, (1,), repeats=1)
+
+
+def test_a_calibration_past_its_deadline_compares_the_sizes_it_warmed_by_then(pipelines):
+    pipeline = pipelines("sd3")
+    # Guided SD3 takes two rows a sample: warming stops after the first size of whole samples' rows.
+    calibration = calibrate(pipeline, SIZE, SIZE, (1, 2, 4), repeats=3, deadline=time.monotonic())
+    assert set(calibration.denoising_seconds_per_sample) == {1, 2}
+    assert calibration.skipped == {4: "deadline"} and calibration.rounds == 0
+    assert calibration.chosen == 2 and calibration.checks[2].holds
+
+
+def test_a_size_that_runs_out_of_memory_is_left_out_with_every_larger_one(pipelines, monkeypatch):
+    pipeline = pipelines("flux")
+    predict_velocity = pipeline.predict_velocity
+
+    def out_of_memory_above_two_rows(x, *args, **kwargs):
+        if len(x) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return predict_velocity(x, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "predict_velocity", out_of_memory_above_two_rows)
+    calibration = calibrate(pipeline, SIZE, SIZE, (1, 2, 4, 8), UNGUIDED, repeats=1)
+    assert calibration.skipped == {4: "out of memory", 8: "out of memory"}
+    assert set(calibration.decode_seconds_per_sample) == {1, 2} and calibration.chosen in (1, 2)
+    assert pipeline.micro_batching == MicroBatching(2)  # the pipeline's own sizes again
+    with pytest.raises(ValueError, match=f"^calls of 4 rows at {SIZE}x{SIZE} do not fit in cpu's memory$"):
+        calibrate(pipeline, SIZE, SIZE, (4, 8), UNGUIDED, repeats=1)
+
+
+def test_a_start_up_calibration_is_kept_on_the_machine_and_read_back_for_its_key_only(pipelines, tmp_path, monkeypatch):
+    pipeline, sizes = pipelines("sd3"), [(SIZE, SIZE), (32, 64)]
+    cache = CalibrationCache(tmp_path)
+    measured = calibrate_at_start(pipeline, sizes, budget_s=60, cache=cache, load=2)
+    assert [note.split(":")[1].split(" in ")[0] for note in measured.notes] == [" measured"] * 2
+    # Guided SD3 at load 2: calls of 2 or 4 rows, each at a size its padding keeps a sample's bits.
+    assert set(measured.micro_batch_sizes) == set(measured.decode_batch_sizes) == {f"{SIZE}x{SIZE}", "32x64"}
+    assert set(measured.micro_batch_sizes.values()) <= {2, 4}
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+    def measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr("rollout.calibration.calibrate", measuring)
+    read = calibrate_at_start(pipeline, sizes, budget_s=0, cache=cache, load=2)
+    assert (read.micro_batch_sizes, read.decode_batch_sizes) == (measured.micro_batch_sizes, measured.decode_batch_sizes)
+    assert read.notes == [f"{SIZE}x{SIZE}: read from {tmp_path}", f"32x64: read from {tmp_path}"]
+    # Another dtype, load or size is another key: nothing kept for it, and no time left to measure.
+    (key,) = calibration_keys(pipeline, [(SIZE, SIZE)], load=2)
+    for other in (
+        calibration_keys(pipelines("sd3", dtype="bfloat16"), [(SIZE, SIZE)], load=2)[0],
+        calibration_keys(pipeline, [(SIZE, SIZE)], load=3)[0],
+        calibration_keys(pipeline, [(SIZE, 32)], load=2)[0],
+    ):
+        assert other != key and cache.read(other) is None
+    assert calibrate_at_start(pipeline, [(SIZE, 32)], budget_s=0, cache=cache, load=2).notes == [
+        f"{SIZE}x32: not calibrated: the 0 s budget ran out"
+    ]
+    # A damaged or foreign file reads as absent.
+    for damaged in ("{", json.dumps({"key": {**key, "load": 99}, "chosen": 2, "chosen_for_decode": 2})):
+        (tmp_path / f"{digest_of([key])}.json").write_text(damaged)
+        assert cache.read(key) is None
+
+
+def test_calibrated_sizes_fill_in_only_what_the_configuration_leaves_out():
+    configured = MicroBatching.parse(4, {"64x64": 8}, decode_by_size={"32x32": 1})
+    calibrated = configured.with_calibrated({"64x64": 2, "32x32": 16}, {"64x64": 2, "32x32": 8})
+    assert (dict(calibrated.by_size), dict(calibrated.decode_by_size)) == ({(64, 64): 8, (32, 32): 16}, {(64, 64): 2, (32, 32): 1})
+    every_size_decoded = MicroBatching(4, decode_default=2).with_calibrated({"32x32": 16}, {"32x32": 8})
+    assert every_size_decoded.decode_size_for(32, 32) == 2 and every_size_decoded.size_for(32, 32) == 16
+    assert MicroBatching.parse(**calibrated.describe()) == calibrated
 
 
 @pytest.mark.parametrize("family", IMAGE_FAMILIES)

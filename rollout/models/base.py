@@ -236,6 +236,9 @@ class RolloutPipeline(Protocol):
     condition_images: ConditionImageRule
     # The attention kernel every denoiser call runs, in the rollout and in its replay alike.
     attention: AttentionBackend
+    # Whether a worker replica measures its micro-batch sizes at start-up unless configured
+    # (`rollout.calibration.calibrate_at_start`).
+    calibrated_at_start: bool
 
     @property
     def device(self) -> torch.device: ...

@@ -116,6 +116,9 @@ class DiffusersFamily:
     condition_images: ClassVar[ConditionImageRule] = ConditionImageRule()  # text only
     text_sees_images: ClassVar[bool] = False  # whether the text encoder reads the input images too
     attention: AttentionBackend = AttentionBackend.DEFAULT  # `load_pipeline` pins the configured one
+    # Video families set False: calibrating would check a call of a micro-batch of full-length
+    # videos per candidate size (minutes for the tiny Wan copy on a CPU).
+    calibrated_at_start: ClassVar[bool] = True
 
     def __init__(
         self,

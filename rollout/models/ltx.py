@@ -37,6 +37,7 @@ class LTXVideoFamily(DiffusersFamily):
     default_max_sequence_length = 128
     default_micro_batch_size = 1  # a video a call, as for Wan
     default_num_frames = 161
+    calibrated_at_start = False  # see DiffusersFamily
     default_frame_rate = 25  # the pipeline's `frame_rate`
 
     def __init__(self, pipe: Any, **kwargs):

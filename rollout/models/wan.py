@@ -80,6 +80,7 @@ class WanFamily(DiffusersFamily):
     # sample costs a lone request nothing, and memory stays that of one video.
     default_micro_batch_size = 1
     default_num_frames = 81
+    calibrated_at_start = False  # see DiffusersFamily
 
     def __init__(self, pipe: Any, **kwargs):
         super().__init__(pipe, **kwargs)

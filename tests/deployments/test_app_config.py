@@ -47,6 +47,8 @@ def test_build_app_takes_no_arguments_or_a_dict():
         ({"model": {"max_sequence_length": 77}}, "model.max_sequence_length", "the embedded model has no text encoder"),
         ({"model": {"vae_tiling": True}}, "model.vae_tiling", "the embedded model has no VAE"),
         ({"model": {"batch_invariance": "fast"}}, "model.batch_invariance", "Input should be 'padding' or 'kernels'"),
+        ({"model": {"calibration_sizes": ["1024"]}}, "model.calibration_sizes", "sizes look like '512x512', got '1024'"),
+        ({"model": {"calibration_budget_s": -1}}, "model.calibration_budget_s", "greater than or equal to 0"),
         ({"weight_version": "first weights"}, "weight_version", "1 to 128 characters of letters, digits"),
         # An empty root would refuse every request with an image (as a server error) at its first.
         ({"allowed_image_paths": [""]}, "allowed_image_paths.0", "at least 1 character"),
@@ -81,6 +83,21 @@ def test_the_vae_decodes_in_calls_of_its_configured_size_else_the_transformers()
     assert micro_batching.decode_size_for(64, 64) == 8
     everywhere = ModelConfig.model_validate({"decode_batch_size": 2}).micro_batching(model_default=8)
     assert [everywhere.decode_size_for(64, 64), everywhere.size_for(64, 64)] == [2, 8]
+
+
+@pytest.mark.parametrize(
+    "model, sizes",
+    [
+        ({}, [(64, 64)]),
+        ({"calibration_sizes": ["1024x1024", "64x64"]}, [(64, 64), (1024, 1024)]),
+        # A size the configuration gives is not measured; a size for every size, or no budget: none is.
+        ({"calibration_sizes": ["1024x1024"], "micro_batch_sizes": {"64x64": 2}}, [(1024, 1024)]),
+        ({"calibration_sizes": ["1024x1024"], "micro_batch_size": 2}, []),
+        ({"calibration_sizes": ["1024x1024"], "calibration_budget_s": 0}, []),
+    ],
+)
+def test_a_replica_calibrates_the_sizes_it_serves_that_the_configuration_leaves_out(model, sizes):
+    assert ModelConfig.model_validate(model).sizes_to_calibrate((64, 64)) == sizes
 
 
 def test_the_configured_batch_invariance_reaches_the_micro_batching():

@@ -54,16 +54,29 @@ def example_scorers(clip_path) -> dict:
     return scorers
 
 
+# FLUX.1's replica measures its sizes at start-up at the tests' size, within a few seconds, and is
+# given them at the model's default size.
+CALIBRATED = "flux"
+CALIBRATION_SIZE = "32x64"
+
+
 @pytest.fixture(scope="module")
-def family_apps(serve_app, tiny_family_dirs, tiny_clip):
+def family_apps(serve_app, tiny_family_dirs, tiny_clip, tmp_path_factory):
     """Family -> (handle, url, local pipeline), every application deployed at once; SD3's with the
-    rewards example's PickScore scorer."""
+    rewards example's PickScore scorer. The local pipeline samples with the sizes its app reports."""
     _, base_url = serve_app
     targets = []
     # Two guided samples a transformer call (SD3's takes both branches: 4 rows), two images a VAE call.
     micro_batches = {
         family: {"micro_batch_size": 2 * TINY_FAMILIES[family].rows_per_guided_sample, "decode_batch_size": 2}
         for family in IMAGE_FAMILIES
+    }
+    default = load_pipeline(None, tiny_family_dirs[CALIBRATED], device="cpu")
+    micro_batches[CALIBRATED] = {
+        "micro_batch_sizes": {f"{default.default_height}x{default.default_width}": 2},
+        "calibration_sizes": [CALIBRATION_SIZE],
+        "calibration_budget_s": 4,
+        "calibration_cache_dir": str(tmp_path_factory.mktemp("calibrations")),
     }
     for family in IMAGE_FAMILIES:
         config = {
@@ -78,20 +91,27 @@ def family_apps(serve_app, tiny_family_dirs, tiny_clip):
         }
         targets.append(serve.RunTarget(build_app(config), name=config["app_name"], route_prefix=f"/{family}"))
     handles = serve.run_many(targets)  # deployed side by side: each worker imports transformers
-    apps = {
-        family: (
-            handle,
-            f"{base_url}/{family}",
-            load_pipeline(None, tiny_family_dirs[family], device="cpu", micro_batching=library_micro_batching(micro_batches[family])),
-        )
-        for family, handle in zip(IMAGE_FAMILIES, handles)
-    }
+    apps = {}
+    for family, handle in zip(IMAGE_FAMILIES, handles):
+        served = MicroBatching.parse(**handle.info.remote().result(timeout_s=60)["micro_batching"])
+        apps[family] = handle, f"{base_url}/{family}", load_pipeline(None, tiny_family_dirs[family], device="cpu", micro_batching=served)
     yield apps
     delete_side_by_side(f"family-{family}" for family in IMAGE_FAMILIES)
 
 
-def library_micro_batching(model: dict) -> MicroBatching:
-    return MicroBatching(model["micro_batch_size"], decode_default=model["decode_batch_size"])
+def test_a_replica_serves_the_configured_sizes_and_those_it_measured_at_start(family_apps, tiny_family_dirs):
+    for family, (_, _, local) in family_apps.items():
+        if family != CALIBRATED:
+            rows = 2 * TINY_FAMILIES[family].rows_per_guided_sample
+            assert local.micro_batching == MicroBatching(rows, decode_default=2)
+            continue
+        # The model's default for sizes not named, the configured size at the model's size, and at the
+        # tests' size what the replica measured (the tests' samples are the library's with them).
+        default = load_pipeline(None, tiny_family_dirs[family], device="cpu")
+        default_size = (default.default_height, default.default_width)
+        assert local.micro_batching.default == default.micro_batching.default
+        assert set(local.micro_batching.by_size) == {default_size, (32, 64)} and local.micro_batching.by_size[default_size] == 2
+        assert set(local.micro_batching.decode_by_size) == {(32, 64)}
 
 
 @pytest.mark.parametrize("family", IMAGE_FAMILIES)

@@ -118,6 +118,23 @@ def test_an_update_one_replica_refuses_is_undone_on_the_others(ray_cluster):
     assert c.version == "v0" and c.committed == []
 
 
+def test_replicas_serve_the_micro_batch_sizes_offered_first_for_their_key():
+    async def scenario():
+        c = coordinator()
+        sizes = {"micro_batch_sizes": {"64x64": 8}, "decode_batch_sizes": {"64x64": 4}}
+        return [
+            await c.agree_micro_batches("h200-flux", None),
+            await c.agree_micro_batches("h200-flux", sizes),
+            await c.agree_micro_batches("h200-flux", {"micro_batch_sizes": {"64x64": 16}, "decode_batch_sizes": {}}),
+            await c.agree_micro_batches("h200-flux", None),
+            await c.agree_micro_batches("h100-flux", None),
+        ]
+
+    asked, offered, offered_later, asked_later, other_key = asyncio.run(scenario())
+    assert asked is None and other_key is None
+    assert offered == offered_later == asked_later == {"micro_batch_sizes": {"64x64": 8}, "decode_batch_sizes": {"64x64": 4}}
+
+
 def test_a_dead_replica_is_not_waited_for_and_a_new_one_catches_up(ray_cluster):
     async def scenario():
         c = coordinator()
