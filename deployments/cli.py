@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE", type=Path, help="a Serve config file: its application's args")
     serve.add_argument("--host", help=f"Serve's HTTP host (the file's http_options, else {HTTP_HOST})")
     serve.add_argument("--port", type=int, help=f"Serve's HTTP port (the file's http_options, else {HTTP_PORT})")
+    serve.add_argument(
+        "--metrics-port", type=int, help="where Ray's metrics agent serves Prometheus (docs/metrics.md); default: a port Ray picks"
+    )
     serve.add_argument("fields", nargs="*", metavar="FIELD=VALUE", help="app config fields: model.dtype=bfloat16")
 
     commands.add_parser(
@@ -246,7 +249,7 @@ def serve(arguments: argparse.Namespace) -> None:
 
     from deployments.local_ray import start_local_ray
 
-    start_local_ray()
+    start_local_ray(**({} if arguments.metrics_port is None else {"_metrics_export_port": arguments.metrics_port}))
     # `docker stop` and Kubernetes stop the main process with SIGTERM, on which Ray's driver
     # handler would just exit: answer the requests in flight then too.
     signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
@@ -257,9 +260,10 @@ def serve(arguments: argparse.Namespace) -> None:
         url = f"http://{http_options['host']}:{http_options['port']}"
         # Its Ray address is what a driver or `ray job submit` needs (RAY_ADDRESS) where other clusters run too.
         ray_address = ray.get_runtime_context().gcs_address
+        metrics = "" if arguments.metrics_port is None else f", metrics on http://127.0.0.1:{arguments.metrics_port}/metrics"
         print(
-            f"serving application {config.app_name!r}, model {config.model.described()}, on {url} ({probes}), Ray at {ray_address}; "
-            "Ctrl-C stops it",
+            f"serving application {config.app_name!r}, model {config.model.described()}, on {url} ({probes}), Ray at {ray_address}"
+            f"{metrics}; Ctrl-C stops it",
             flush=True,
         )
         try:

@@ -343,6 +343,7 @@ class Dispatcher:
         config: the app's limits (request cost, queue, chunking, retries, deadlines, shutdown grace).
         queued_on_workers: the samples sent to the workers and not yet answered (the router's count).
         scorers: where the samples of requests that ask for rewards are scored.
+        report_cost_in_flight: told the cost in flight, all clients', each time it changes (a gauge).
     """
 
     def __init__(
@@ -351,6 +352,7 @@ class Dispatcher:
         config: RolloutAppConfig,
         queued_on_workers: Callable[[], int],
         scorers: Scorers | None = None,
+        report_cost_in_flight: Callable[[float], None] = lambda cost: None,
     ):
         self.workers = workers
         self.scorers = scorers
@@ -360,6 +362,7 @@ class Dispatcher:
         self._routing_samples = 0  # admitted, not yet placed on a worker replica
         # Token-steps of the requests admitted whose parts are not all answered, by client.
         self.cost_in_flight: Counter[str] = Counter()
+        self._report_cost_in_flight = report_cost_in_flight
         self._releases: set[asyncio.Task] = set()  # each waits for a request's parts, then releases its cost
         self._cost_facts: CostFacts | None = None
         self._stopping = asyncio.Event()
@@ -449,6 +452,7 @@ class Dispatcher:
             self.cost_in_flight[client] -= token_steps
             if self.cost_in_flight[client] <= 0:
                 del self.cost_in_flight[client]
+            self._report_cost_in_flight(sum(self.cost_in_flight.values()))
             if parts and asyncio.current_task() is not watcher:  # its polling is no longer needed
                 watcher.cancel()
 
@@ -523,6 +527,7 @@ class Dispatcher:
                     "shares; send it again shortly"
                 )
         self.cost_in_flight[client] += cost
+        self._report_cost_in_flight(in_flight + cost)
 
     async def _unless_stopped(self, work: Coroutine[Any, Any, T]) -> T:
         """`work`'s result, unless the server stops and it does not finish within half the shutdown

@@ -83,6 +83,14 @@ def answer_for(error: Exception) -> ErrorAnswer | None:
     return None
 
 
+def status_of(error: BaseException) -> int:
+    """The HTTP status `error` is answered with (500 for what the table does not list): the `code`
+    of a request that failed through the handle, in the metrics."""
+    known = library_error(error)
+    answer = None if known is None else answer_for(known)
+    return 500 if answer is None else answer.status
+
+
 def library_error(error: BaseException) -> RolloutError | None:
     """The error behind an exception raised in a replica, if it is one of this project's (Ray
     wraps a replica's exception in its own types and chains the cause)."""

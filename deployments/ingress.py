@@ -18,6 +18,7 @@ from deployments.bodies import BodyReader
 from deployments.config import RolloutAppConfig
 from deployments.dispatch import Dispatcher, ServeWorkers
 from deployments.load import outstanding_samples
+from deployments.metrics import IngressMetrics
 from deployments.scoring import ServeScorers
 from deployments.routes import discovery, generate, health, memory, mount, operator_paths, weights
 
@@ -50,7 +51,10 @@ class RolloutIngress(*CONCERNS):
         self.config = config
         self.bodies = BodyReader(config)
         self.started = int(time.time())
-        self.dispatcher = Dispatcher(ServeWorkers(worker), config, outstanding_samples, ServeScorers(scorers or {}))
+        self.metrics = IngressMetrics(config.model.label())
+        self.dispatcher = Dispatcher(
+            ServeWorkers(worker), config, outstanding_samples, ServeScorers(scorers or {}), self.metrics.cost_in_flight.set
+        )
         self.worker_status = health.WorkerStatus(asyncio.get_running_loop(), worker)
         self._probes = None if config.probe_port is None else self.open_probe_port()
         # `serve run config.yaml` says nothing after "Submitted deploy config successfully.": this is

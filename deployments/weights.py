@@ -33,6 +33,7 @@ from ray import serve
 from ray.serve.schema import LoggingConfig
 
 from deployments.broadcast import Command, CommandLog, Posted, Report
+from deployments.metrics import WeightMetrics
 from rollout.checkpoints import UnreadableCheckpointError, disk_update
 from rollout.errors import RolloutError, WeightUpdateError, clip
 from rollout.weight_sync import PackedTensors, SharedBucket, TensorSpec, WeightGroup, copy_out, delta_specs, with_delta
@@ -246,6 +247,9 @@ class _Committed:
 
 # The coordinator ------------------------------------------------------------------------------
 
+# The `source` label of the weight update metrics.
+SOURCE_LABELS = {DiskSource: "disk", TensorSource: "tensors", GroupSource: "group", SharedMemorySource: "shared_memory"}
+
 
 # Every worker replica long-polls `next_commands` every `POLL_TIMEOUT_S`, and registers and reports
 # through the same calls: Serve's access log of them was a line per replica every 10 s in the
@@ -278,6 +282,7 @@ class WeightCoordinator:
         self.layouts: dict[str, dict[str, TensorLayout]] = {}
         self._one_at_a_time = asyncio.Lock()
         self.agreed_micro_batches: dict[str, dict[str, dict[str, int]]] = {}
+        self.metrics = WeightMetrics()
 
     # Worker replicas ---------------------------------------------------------------------------
 
@@ -333,6 +338,12 @@ class WeightCoordinator:
 
     async def update(self, source: DiskSource | TensorSource | PackedSource, version: str | None = None) -> UpdateResult:
         """Applies an update on every live replica, all or nothing."""
+        started = time.perf_counter()
+        result = await self._update(source, version)
+        self.metrics.updated(SOURCE_LABELS[type(source)], result.success, time.perf_counter() - started)
+        return result
+
+    async def _update(self, source: DiskSource | TensorSource | PackedSource, version: str | None) -> UpdateResult:
         async with self._one_at_a_time:
             if not self.commands.replicas:
                 return UpdateResult(False, "no worker replica is running", self.version)

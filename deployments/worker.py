@@ -18,6 +18,7 @@ from deployments.batching import Abandoned, BatchingQueue
 from deployments.broadcast import Follower
 from deployments.config import ModelConfig, RolloutAppConfig
 from deployments.memory import MemoryOccupation
+from deployments.metrics import WorkerMetrics
 from deployments.weights import ServedWeights
 from deployments.work import (
     DeadlineExceededError,
@@ -38,7 +39,7 @@ from rollout.calibration import (
     digest_of,
     require_batch_invariance,
 )
-from rollout.cost import CostFacts, transformer_cost
+from rollout.cost import CostFacts, transformer_cost, tree_rows
 from rollout.errors import NonFiniteOutputError, RolloutError, SamplingAbandoned
 from rollout.kernels import BatchInvariance
 from rollout.models.base import RolloutPipeline
@@ -107,6 +108,7 @@ class RolloutWorker:
             for height, width in sorted({default_size, *micro_batching.by_size, *micro_batching.decode_by_size}):
                 await self._on_sampling_thread(require_batch_invariance, self.pipeline, height, width)
         self.config = config
+        self.metrics = WorkerMetrics(model.label())
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
         self._failed_calls_in_a_row = 0
@@ -289,12 +291,22 @@ class RolloutWorker:
                 )
                 return results
             logger.exception("sampling failed for a request of %d samples", len(group[0]))
+            self.metrics.failed()
             results[servable[0]] = error
             # A failure counts toward replacing the replica only if no request explains it: when the
             # replica cannot sample a request nobody sent either (a device error, weights gone bad).
             self._failed_calls_in_a_row = 0 if self._samples_a_probe() else self._failed_calls_in_a_row + 1
             return results
         elapsed = time.perf_counter() - start
+        costs = [transformer_cost(self.pipeline, work.roots(), work.options) for work in group]
+        steps = group[0].options.num_inference_steps
+        self.metrics.sampled(
+            elapsed,
+            steps,
+            call.transformer_rows,
+            useful_rows=tree_rows(roots, steps, lambda rows: rows),
+            rows_saved=sum(cost.transformer_rows_unbranched - cost.transformer_rows for cost in costs),
+        )
         offset = 0
         served = []
         for j, (i, work) in enumerate(zip(servable, group)):
@@ -318,7 +330,7 @@ class RolloutWorker:
                 peak_memory_mb,
                 self.replica,
                 self.node_id,
-                cost=transformer_cost(self.pipeline, work.roots(), work.options),
+                cost=costs[j],
             )
         served_nothing = all(isinstance(results[i], NonFiniteOutputError) for i in served)
         self._failed_calls_in_a_row = self._failed_calls_in_a_row + 1 if served_nothing else 0

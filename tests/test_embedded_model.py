@@ -50,7 +50,7 @@ def test_classifier_held_out_accuracy():
 
 def test_ode_samples_are_the_prompted_digit(embedded_pipeline):
     accuracy, per_digit = prompted_accuracy(
-        embedded_pipeline, DigitClassifier.from_pretrained(), 20, SamplingOptions(num_inference_steps=20, sde_type="ode")
+        embedded_pipeline, DigitClassifier.from_pretrained(), 10, SamplingOptions(num_inference_steps=20, sde_type="ode")
     )
     assert accuracy >= 0.90, per_digit
     assert per_digit.min() >= 0.5, per_digit

@@ -1,6 +1,7 @@
 """Sampling: SGLang's `POST /rollout/generate`, and the handle's `generate` and `stop_serving`.
 
-Needs from the ingress: `config` (`RolloutAppConfig`), `bodies` (`BodyReader`) and `dispatcher` (`Dispatcher`).
+Needs from the ingress: `config` (`RolloutAppConfig`), `bodies` (`BodyReader`), `dispatcher` (`Dispatcher`) and
+`metrics` (`IngressMetrics`).
 """
 
 import asyncio
@@ -17,6 +18,7 @@ from deployments.http_errors import (
     error_response,
     internal_error_response,
     library_error,
+    status_of,
 )
 from deployments.routes import route
 from rollout.codec import to_json, to_msgpack
@@ -57,9 +59,17 @@ class GenerateRoutes:
         and the client's fair share of it, and `DeadlineExceededError` if the request's deadline
         passes before it is sent (its fetch is held to the same deadline: `RolloutResult`).
         `client_id` names the caller for the fair shares; callers without one share one share."""
-        plan = await self._planned(request)
-        client = HANDLE_CLIENT if client_id is None else f"{HANDLE_CLIENT} {clip(client_id)}"
-        return await self.dispatcher.dispatch(plan, self.dispatcher.deadline(plan), client)
+        plan = None
+        try:
+            plan = await self._planned(request)
+            client = HANDLE_CLIENT if client_id is None else f"{HANDLE_CLIENT} {clip(client_id)}"
+            result = await self.dispatcher.dispatch(plan, self.dispatcher.deadline(plan), client)
+        except Exception as error:
+            self.metrics.answered("handle", status_of(error), 0 if plan is None else plan.num_samples)
+            raise
+        # Counted once dispatched: its fetch is the trainer's, whenever it comes.
+        self.metrics.answered("handle", 200, plan.num_samples)
+        return result
 
     async def stop_serving(self) -> None:
         """Handle API, called before the application is deleted (`make serve`'s Ctrl-C): from now
@@ -80,10 +90,14 @@ class GenerateRoutes:
         except Exception as error:
             known = library_error(error)
             if known is not None:
-                return error_response(known)
-            request_id = plan.request_id if plan is not None else "(not planned)"
-            logger.exception("rollout request %s failed", request_id)
-            return internal_error_response(request_id)
+                answer = error_response(known)
+            else:
+                request_id = plan.request_id if plan is not None else "(not planned)"
+                logger.exception("rollout request %s failed", request_id)
+                answer = internal_error_response(request_id)
+            samples = 0 if plan is None else plan.num_samples
+            self.metrics.answered("http", answer.status_code, samples, time.perf_counter() - start)
+            return answer
         peak_memory_mb = max((p.peak_memory_mb for p in fetched.parts if p.peak_memory_mb is not None), default=None)
         # The response's inference_time_s: the whole request's wall time here, from reading its body
         # to its parts fetched and scored (a part's sampler call is `WorkerResult.sampler_call_s`).
@@ -92,8 +106,12 @@ class GenerateRoutes:
             plan, batch, inference_time_s, peak_memory_mb, fetched.reward_times, fetched.cost(), fetched.request_cost
         )
         if "application/json" in http_request.headers.get("accept", ""):
-            return Response(to_json(rows), media_type="application/json")
-        return Response(to_msgpack(rows), media_type=MSGPACK)
+            answer = Response(to_json(rows), media_type="application/json")
+        else:
+            answer = Response(to_msgpack(rows), media_type=MSGPACK)
+        self.metrics.answered("http", 200, len(rows), time.perf_counter() - start)
+        self.metrics.response_bytes.inc(len(answer.body))
+        return answer
 
 
 def http_client(http_request: Request) -> str:

@@ -197,7 +197,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             DigitFlowPipeline,
             builder=None,
             requests=RequestSpace(
-                DIGIT_PROMPTS, budget=60, guidance_scales=(None, 0.0, 1.0, 2.5), true_cfg_scales=(None, 1.5)
+                DIGIT_PROMPTS, budget=30, guidance_scales=(None, 0.0, 1.0, 2.5), true_cfg_scales=(None, 1.5)
             ),
         ),
         TinyFamily(
@@ -209,7 +209,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             trained={"guidance_scale": 4.5},
             throughput_steps=28,
             inputs=TransformerInputs(frozenset({"encoder_hidden_states", "pooled_projections"})),
-            requests=RequestSpace(WORDS, budget=7, sizes=(None, 32), guidance_scales=(None, 1.0, 4.5)),
+            requests=RequestSpace(WORDS, budget=4, sizes=(None, 32), guidance_scales=(None, 1.0, 4.5)),
             gpu_check=GpuCheck("sd35_medium", budget_weight=1.0),
         ),
         TinyFamily(
@@ -227,7 +227,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
                 time_per_1000=True,
             ),
             requests=RequestSpace(
-                WORDS, budget=7, sizes=(32, 48), guidance_scales=(None, 3.5), true_cfg_scales=(None, 1.0, 2.0)
+                WORDS, budget=4, sizes=(32, 48), guidance_scales=(None, 3.5), true_cfg_scales=(None, 1.0, 2.0)
             ),
             gpu_check=GpuCheck("flux1_dev", budget_weight=1.6),
         ),
@@ -293,7 +293,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
                 image=frozenset({"img_shapes"}),
                 time_per_1000=True,
             ),
-            requests=RequestSpace(WORDS, budget=7, sizes=(32, 48), true_cfg_scales=(None, 1.0, 3.0), min_steps=2),
+            requests=RequestSpace(WORDS, budget=4, sizes=(32, 48), true_cfg_scales=(None, 1.0, 3.0), min_steps=2),
         ),
         TinyFamily(
             "qwenimage_edit",
@@ -324,7 +324,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             trained={"guidance_scale": 5.0},
             frames=5,  # two of Wan's latent frames
             tiled_size=(288, 320),  # Wan's VAE tiles 256 px
-            requests=RequestSpace(WORDS, budget=6, sizes=(16, 32), frames=(1, 5), guidance_scales=(None, 1.0, 5.0)),
+            requests=RequestSpace(WORDS, budget=3, sizes=(16, 32), frames=(1, 5), guidance_scales=(None, 1.0, 5.0)),
             # Two videos timed, with no calibration or batch sizes.
             gpu_check=GpuCheck("wan21_t2v_1_3b", budget_weight=0.6),
         ),
@@ -401,7 +401,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
             token_pixels=32,
             tiled_size=(544, 544),  # LTX-Video's VAE tiles 512 px
             requests=RequestSpace(
-                WORDS, budget=6, sizes=(32,), frames=(9,), guidance_scales=(None, 1.0, 3.0), min_steps=2
+                WORDS, budget=3, sizes=(32,), frames=(9,), guidance_scales=(None, 1.0, 3.0), min_steps=2
             ),
         ),
     )

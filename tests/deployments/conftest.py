@@ -25,12 +25,29 @@ def app_config() -> dict:
     return TEST_CONFIG
 
 
+# Where Ray's metrics agent serves Prometheus's text format (`metrics_url`).
+METRICS_EXPORT_PORT = free_port()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    context = start_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
+    context = start_local_ray(
+        num_cpus=4,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        log_to_driver=False,
+        _metrics_export_port=METRICS_EXPORT_PORT,
+        # What replicas record reaches the agent within a second, not Ray's default ten.
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     yield context
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def metrics_url(ray_cluster) -> str:
+    return f"http://127.0.0.1:{METRICS_EXPORT_PORT}/metrics"
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,7 @@ def family_apps(serve_app, tiny_family_dirs, tiny_clip, tmp_path_factory):
     micro_batches[CALIBRATED] = {
         "micro_batch_sizes": {f"{default.default_height}x{default.default_width}": 2},
         "calibration_sizes": [CALIBRATION_SIZE],
-        "calibration_budget_s": 4,
+        "calibration_budget_s": 1,
         "calibration_cache_dir": str(tmp_path_factory.mktemp("calibrations")),
     }
     for family in IMAGE_FAMILIES:

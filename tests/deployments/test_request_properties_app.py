@@ -18,7 +18,7 @@ from rollout.schema import parse_request
 from tests.deployments.test_http import post
 
 SEED = 44
-BUDGET = 24
+BUDGET = 12
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
