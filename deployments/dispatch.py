@@ -44,7 +44,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import ray
@@ -133,6 +133,35 @@ class ServeWorkers:
 
 
 @dataclass(frozen=True)
+class StageTimes:
+    """Where one request's time went, in seconds: over HTTP in the `x-sgld-stages` header, through
+    the handle from `FetchedRollout.stage_times`.
+
+    Attributes:
+        read: its body read and parsed (HTTP; 0 through the handle, whose request comes parsed).
+        plan: validated, planned and costed at the ingress.
+        fetch: from dispatch to every part fetched and scored, over HTTP; through the handle, the
+            fetch call's own time (the trainer fetches whenever it likes). It holds the three below,
+            and admission, transport and retries.
+        queue: the longest any part waited on its worker replica before its sampler call began.
+        sample: the longest sampler call of its parts (with whatever other work shared it).
+        score: scoring after its last part was fetched: what sampling did not hide (`reward_wait_s`).
+        encode: its response rows built and encoded (HTTP; 0 through the handle).
+    """
+
+    read: float
+    plan: float
+    fetch: float
+    queue: float
+    sample: float
+    score: float
+    encode: float
+
+    def milliseconds(self) -> dict[str, float]:
+        return {f"{stage}_ms": round(seconds * 1e3, 3) for stage, seconds in asdict(self).items()}
+
+
+@dataclass(frozen=True)
 class FetchedRollout:
     """A request's parts, fetched (and scored, when it asked for rewards).
 
@@ -140,11 +169,30 @@ class FetchedRollout:
         parts: one `WorkerResult` per part, in request order.
         request_cost: what the request cost, in token-steps, as it was admitted (`rollout.cost`).
         reward_times: the request's scoring times; None when it asked for no rewards.
+        plan_s: how long the ingress took to plan it.
+        fetch_s: how long its fetch took (`StageTimes.fetch`).
     """
 
     parts: list[WorkerResult]
     request_cost: RequestCost
     reward_times: RewardTimes | None = None
+    plan_s: float = 0.0
+    fetch_s: float = 0.0
+
+    def stage_times(
+        self, read_s: float = 0.0, plan_s: float | None = None, fetch_s: float | None = None, encode_s: float = 0.0
+    ) -> StageTimes:
+        """`StageTimes`; over HTTP the ingress gives the stages only it sees, and its own plan and
+        fetch times (None: those this result measured)."""
+        return StageTimes(
+            read=read_s,
+            plan=self.plan_s if plan_s is None else plan_s,
+            fetch=self.fetch_s if fetch_s is None else fetch_s,
+            queue=max(part.queued_s for part in self.parts),
+            sample=max(part.sampler_call_s for part in self.parts),
+            score=0.0 if self.reward_times is None else self.reward_times.reward_wait_s,
+            encode=encode_s,
+        )
 
     def batch(self) -> RolloutBatch:
         """The parts' samples joined: one schedule, samples in request order."""
@@ -178,16 +226,20 @@ class RolloutResult:
     max_attempts: int
     request_cost: RequestCost
     scoring: RequestScoring | None = None
+    plan_s: float = 0.0
 
     async def fetch_async(self, timeout_s: float | None = None) -> FetchedRollout:
         """Every part, in order, its samples scored when the request asked for rewards
         (`deployments/scoring.py`); `timeout_s` bounds the whole fetch (`FetchTimeoutError`).
         Fetching again after a failure re-uses the parts sampled: nothing is sampled twice."""
+        started = time.perf_counter()
         if self.scoring is None:
-            return await self._fetched_unscored(timeout_s)
-        scored = self.scoring.scored(self._fetches(), [len(work) for work in self.works])
-        parts, reward_times = await self._in_time(scored, timeout_s)
-        return FetchedRollout(parts, self.request_cost, reward_times)
+            fetched = await self._fetched_unscored(timeout_s)
+        else:
+            scored = self.scoring.scored(self._fetches(), [len(work) for work in self.works])
+            parts, reward_times = await self._in_time(scored, timeout_s)
+            fetched = FetchedRollout(parts, self.request_cost, reward_times)
+        return replace(fetched, plan_s=self.plan_s, fetch_s=time.perf_counter() - started)
 
     async def batch_async(self, timeout_s: float | None = None) -> RolloutBatch:
         return (await self.fetch_async(timeout_s)).batch()

@@ -135,6 +135,8 @@ class WorkerResult:
         cost: the work's own transformer rows, padded as if it had the call to itself, and its rows
             unbranched (`rollout.cost`): what a request's figures sum, whatever its call held. None
             only in a result no worker made (a test's).
+        queued_s: how long the work waited on its worker replica, from its arrival to the start of
+            the sampler call that sampled it.
     """
 
     batch: RolloutBatch
@@ -145,3 +147,4 @@ class WorkerResult:
     replica: str
     node_id: str
     cost: TransformerCost | None = None
+    queued_s: float = 0.0

@@ -112,6 +112,7 @@ class RolloutWorker:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
         self._failed_calls_in_a_row = 0
+        self._arrivals: dict[int, float] = {}  # id of a work submitted -> when it arrived (perf_counter)
         self._queue = BatchingQueue(
             self._sample_on_thread,
             config.max_batch_size,
@@ -236,7 +237,12 @@ class RolloutWorker:
             self.config.limits,
             work.images,
         )
-        return await self._queue.submit(dataclasses.replace(work, options=options))
+        work = dataclasses.replace(work, options=options)
+        self._arrivals[id(work)] = time.perf_counter()  # the sampler call that takes it says how long it waited
+        try:
+            return await self._queue.submit(work)
+        finally:
+            del self._arrivals[id(work)]
 
     async def _sample_on_thread(self, works: list[SamplingWork], abandoned: Abandoned) -> list[WorkerResult | Exception]:
         return await self._on_sampling_thread(self._sample_group, works, abandoned)
@@ -331,6 +337,7 @@ class RolloutWorker:
                 self.replica,
                 self.node_id,
                 cost=costs[j],
+                queued_s=max(0.0, start - self._arrivals.get(id(work), start)),
             )
         served_nothing = all(isinstance(results[i], NonFiniteOutputError) for i in served)
         self._failed_calls_in_a_row = self._failed_calls_in_a_row + 1 if served_nothing else 0

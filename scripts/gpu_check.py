@@ -35,6 +35,12 @@ bf16 replay difference.
     python scripts/gpu_check.py --families sd3 flux wan --budget-s 500 --out docs/gpu_check.json
     python scripts/gpu_check.py --tiny     # the same code on the tiny copies, on the CPU (tested)
 
+`--speed` runs issue 49's speed check instead of the sections (`check_speed`: ms per step of each
+exact way of sampling against the pipeline eager and compiled, at FLUX.1-dev 1024x1024 and
+SD3.5-Medium 512x512):
+
+    python scripts/gpu_check.py --speed --families flux sd3 --budget-s 540 --out docs/gpu_speed.json
+
 `--weight-transfer-gib 4` first measures moving 4 GiB of weights on the device
 (`scripts/weight_transfer.py`: release and resume through pinned memory, a colocated trainer's
 CUDA IPC buckets, an NCCL broadcast where there are two GPUs), as the first finding.
@@ -69,7 +75,8 @@ sys.path.insert(0, str(REPO))
 
 from rollout.calibration import calibrate, check_batch_invariance, synchronize  # noqa: E402
 from rollout.input_images import InputImage  # noqa: E402
-from rollout.kernels import BatchInvariance  # noqa: E402
+from rollout.errors import ModelLoadError  # noqa: E402
+from rollout.kernels import AttentionBackend, BatchInvariance  # noqa: E402
 from rollout.micro_batching import MicroBatching  # noqa: E402
 from rollout.options import SamplingOptions  # noqa: E402
 from rollout.replay import replay_log_probs  # noqa: E402
@@ -97,6 +104,13 @@ MIN_FAMILY_SECONDS = 60
 SECTIONS = ("group", "calibration", "kernels", "batch-sizes", "fp32-path")
 # Samples of the fp32 comparison: a call of two, as the pipeline makes it.
 FP32_PATH_SAMPLES = 2
+# `--speed`: issue 49's targets, model -> (size, steps, batch sizes): FLUX.1-dev's lone sample at
+# <= 150 ms a step, SD3.5-Medium's group of 16 at >= 1.3x the eager pipeline, a lone sample at
+# >= 0.9x; the tiny copies check the code on the CPU.
+SPEED_RUNS = {"flux": (1024, 28, (1, 8)), "sd3": (512, 10, (1, 16))}
+TINY_SPEED_RUN = (64, 3, (1, 2))
+# What compiling a published transformer is allowed to take in the budget (a guess on the safe side).
+COMPILE_SECONDS = 120
 
 
 class Budget:
@@ -405,6 +419,93 @@ def check_video_family(name: str, tiny_dir: Path, tiny: bool, device: str) -> di
     }
 
 
+def check_speed(name: str, tiny_dir: Path, tiny: bool, device: str, budget: Budget) -> dict:
+    """Issue 49's measurement: ms per denoising step of the rollout (SDE, every latent and log-prob
+    kept) in each way it can keep a sample's bits, against `pipeline(...)` eager and with its
+    transformer under `torch.compile`, at `SPEED_RUNS`' size, steps and batch sizes, and each way's
+    replay difference (a way is exact only where it is 0). The ways: padding in a call of the whole
+    batch (as the pipeline calls it), the batch-invariant kernels, and padding with each pinned
+    attention kernel this device has."""
+    record = CHECKED[name]
+    guidance = dict(record.trained)
+    family = loaded(record, tiny_dir, tiny, device)
+    size, steps, batch_sizes = TINY_SPEED_RUN if tiny else SPEED_RUNS[name]
+    options = SamplingOptions(num_inference_steps=steps, height=size, width=size, **guidance)
+    rows = rows_per_sample(family, resolve_options(family, options))
+    ways = {"padding": (BatchInvariance.PADDING, AttentionBackend.DEFAULT), "kernels": (BatchInvariance.KERNELS, AttentionBackend.DEFAULT)}
+    unavailable = {}
+    for attention in (AttentionBackend.FLASH, AttentionBackend.EFFICIENT, AttentionBackend.CUDNN):
+        try:
+            ways[f"padding, {attention.value} attention"] = (BatchInvariance.PADDING, AttentionBackend.checked(attention.value, device, torch.bfloat16))
+        except ModelLoadError as error:
+            unavailable[attention.value] = error.reason
+
+    def rollout(samples: int):
+        return sample_tree(family, [TreeRoot(PROMPT, "", seed) for seed in range(samples)], options).batch
+
+    def pipeline(samples: int):
+        with torch.no_grad():
+            return family.pipe(
+                prompt=[PROMPT] * samples, height=size, width=size, num_inference_steps=steps,
+                generator=[torch.Generator("cpu").manual_seed(s) for s in range(samples)], output_type="pt", **guidance,
+            ).images  # fmt: skip
+
+    def ms_per_step(fn, samples: int) -> tuple[object, float]:
+        fn(samples)  # warm-up: kernels, allocator, autotuning at this shape
+        result, seconds, _ = measured(device, lambda: fn(samples))
+        return result, 1e3 * seconds / steps
+
+    by_batch_size, skipped = {}, []
+    for samples in batch_sizes:
+        _, eager_ms = ms_per_step(pipeline, samples)
+        found = {"pipeline_eager_ms_per_step": eager_ms}
+        estimate_s = 2 * steps * eager_ms / 1e3  # a warm-up and a timed call of one path
+        for way, (invariance, attention) in ways.items():
+            if not budget.allows(2 * estimate_s):
+                skipped.append(f"batch size {samples}: {way}")
+                continue
+            family.micro_batching, family.attention = MicroBatching(samples * rows, invariance=invariance), attention
+            batch, rollout_ms = ms_per_step(rollout, samples)
+            found[way] = {
+                "ms_per_step": rollout_ms,
+                "speed_over_pipeline_eager": eager_ms / rollout_ms,
+                "replay_max_abs_dlogp": replay_difference(family, batch),
+            }
+            print(f"{name} B={samples} {way}: {found[way]}", flush=True)
+        family.micro_batching, family.attention = MicroBatching(samples * rows), AttentionBackend.DEFAULT
+        if device != "cuda":
+            skipped.append(f"batch size {samples}: the compiled pipeline (CUDA only here; benchmarks.compiled measures inductor on the CPU)")
+        elif budget.allows(COMPILE_SECONDS + estimate_s):
+            eager_transformer = family.pipe.transformer
+            family.pipe.transformer = torch.compile(eager_transformer)
+            try:
+                compiling = time.perf_counter()
+                pipeline(samples)
+                found["pipeline_compile_seconds"] = time.perf_counter() - compiling
+                _, found["pipeline_compiled_ms_per_step"] = ms_per_step(pipeline, samples)
+            finally:
+                family.pipe.transformer = eager_transformer
+            for way in ways:
+                if way in found:
+                    found[way]["speed_over_pipeline_compiled"] = found["pipeline_compiled_ms_per_step"] / found[way]["ms_per_step"]
+        else:
+            skipped.append(f"batch size {samples}: the compiled pipeline")
+        by_batch_size[samples] = found
+    return {
+        "family": name,
+        "section": "speed",
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": "bfloat16",
+        "size": size,
+        "steps": steps,
+        "guidance": guidance,
+        "attention_unavailable": unavailable,
+        "by_batch_size": by_batch_size,
+        "skipped": skipped,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     image_models = [name for name, record in CHECKED.items() if not record.video]
@@ -418,6 +519,7 @@ def main() -> None:
         "--calibrated", type=Path, help="an earlier run's findings: without the calibration section, its sizes are used"
     )
     parser.add_argument("--weight-transfer-gib", type=float, default=0, help="first, weight transfer with this many GiB")
+    parser.add_argument("--speed", action="store_true", help="issue 49's speed check (check_speed) instead of the sections")
     args = parser.parse_args()
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -440,6 +542,8 @@ def main() -> None:
             try:
                 if not share.allows(MIN_FAMILY_SECONDS):
                     findings.append({"family": name, "skipped": ["all: out of time"]})
+                elif args.speed:
+                    findings.append(check_speed(name, record.build(Path(scratch) / name), args.tiny, device, share))
                 elif record.video:
                     findings.append(check_video_family(name, record.build(Path(scratch) / name), args.tiny, device))
                 else:

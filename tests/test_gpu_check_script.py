@@ -95,3 +95,21 @@ def test_sections_that_would_overrun_the_budget_are_skipped_and_named(tmp_path):
         "the fp32 path",
     ]
     assert findings["replay_max_abs_dlogp"] == 0.0 and findings["throughput_by_batch_size"] == {}
+
+
+def test_the_speed_check_times_every_exact_way_against_the_pipeline_on_a_tiny_copy(tmp_path):
+    out = tmp_path / "speed.json"
+    command = [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--tiny", "--speed", "--families", "sd3", "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    (found,) = json.loads(out.read_text())
+    assert (found["section"], found["size"], found["steps"]) == ("speed", 64, 3)
+    # Where an attention kernel cannot run, it says why; the others are timed like padding.
+    assert set(found["attention_unavailable"]) | {"flash"} == {"flash", "efficient", "cudnn"}
+    for samples, timed in found["by_batch_size"].items():
+        ways = [way for way in timed if isinstance(timed[way], dict)]
+        assert {"padding", "kernels"} <= set(ways) and timed["pipeline_eager_ms_per_step"] > 0
+        for way in ways:
+            assert timed[way]["replay_max_abs_dlogp"] == 0.0
+            assert timed[way]["speed_over_pipeline_eager"] == timed["pipeline_eager_ms_per_step"] / timed[way]["ms_per_step"]
+    assert set(found["by_batch_size"]) == {"1", "2"} and len(found["skipped"]) == 2  # no compiled pipeline on the CPU

@@ -5,6 +5,8 @@ Needs from the ingress: `config` (`RolloutAppConfig`), `bodies` (`BodyReader`), 
 """
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
 from typing import Any
@@ -13,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from deployments.bodies import MSGPACK
-from deployments.dispatch import HANDLE_CLIENT, RolloutResult
+from deployments.dispatch import HANDLE_CLIENT, RolloutResult, StageTimes
 from deployments.http_errors import (
     error_response,
     internal_error_response,
@@ -61,7 +63,9 @@ class GenerateRoutes:
         `client_id` names the caller for the fair shares; callers without one share one share."""
         plan = None
         try:
+            started = time.perf_counter()
             plan = await self._planned(request)
+            planned = time.perf_counter()
             client = HANDLE_CLIENT if client_id is None else f"{HANDLE_CLIENT} {clip(client_id)}"
             result = await self.dispatcher.dispatch(plan, self.dispatcher.deadline(plan), client)
         except Exception as error:
@@ -69,7 +73,7 @@ class GenerateRoutes:
             raise
         # Counted once dispatched: its fetch is the trainer's, whenever it comes.
         self.metrics.answered("handle", 200, plan.num_samples)
-        return result
+        return dataclasses.replace(result, plan_s=planned - started)
 
     async def stop_serving(self) -> None:
         """Handle API, called before the application is deleted (`make serve`'s Ctrl-C): from now
@@ -84,9 +88,12 @@ class GenerateRoutes:
         plan = None
         try:
             body = await self.bodies.read(http_request)
+            read = time.perf_counter()
             plan = await self._planned(body)
+            planned = time.perf_counter()
             fetched = await self.dispatcher.sampled(plan, http_client(http_request))
             batch = fetched.batch()
+            sampled = time.perf_counter()
         except Exception as error:
             known = library_error(error)
             if known is not None:
@@ -106,12 +113,28 @@ class GenerateRoutes:
             plan, batch, inference_time_s, peak_memory_mb, fetched.reward_times, fetched.cost(), fetched.request_cost
         )
         if "application/json" in http_request.headers.get("accept", ""):
-            answer = Response(to_json(rows), media_type="application/json")
+            body, media_type = to_json(rows), "application/json"
         else:
-            answer = Response(to_msgpack(rows), media_type=MSGPACK)
-        self.metrics.answered("http", 200, len(rows), time.perf_counter() - start)
+            body, media_type = to_msgpack(rows), MSGPACK
+        done = time.perf_counter()
+        stages = fetched.stage_times(read - start, planned - read, sampled - planned, done - sampled)
+        answer = Response(body, media_type=media_type, headers=timing_headers(stages, done - start))
+        self.metrics.answered("http", 200, len(rows), done - start)
         self.metrics.response_bytes.inc(len(answer.body))
         return answer
+
+
+def timing_headers(stages: StageTimes, total_s: float) -> dict[str, str]:
+    """A request's times as headers: `x-sgld-timing`, its whole time at the ingress in milliseconds;
+    `x-sgld-stages`, each `StageTimes` stage in milliseconds as a JSON object; and the same stages
+    in the W3C `Server-Timing` header, which browsers' and proxies' tools read."""
+    milliseconds = stages.milliseconds()
+    server_timing = ", ".join(f"{name.removesuffix('_ms')};dur={ms}" for name, ms in milliseconds.items())
+    return {
+        "x-sgld-timing": f"{total_s * 1e3:.3f}",
+        "x-sgld-stages": json.dumps(milliseconds, separators=(",", ":")),
+        "server-timing": server_timing,
+    }
 
 
 def http_client(http_request: Request) -> str:

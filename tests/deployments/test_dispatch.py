@@ -5,6 +5,7 @@ API alike."""
 
 import asyncio
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -288,6 +289,25 @@ def test_the_handles_transformer_cost_is_its_parts_sums():
     result = asyncio.run(dispatcher(Workers(lambda work, attempt: Costed(work))).dispatch(plan(3), 1e12))
     assert [len(work) for work in result.works] == [2, 1]
     assert result.transformer_cost() == asyncio.run(result.transformer_cost_async()) == TransformerCost(3, 9)
+
+
+def test_a_fetched_requests_stage_times_are_its_slowest_parts_and_its_own_fetch():
+    class Timed(Part):
+        async def _resolve(self):
+            await asyncio.sleep(0.05)
+            return SimpleNamespace(work=self.work, queued_s=0.01 * len(self.work), sampler_call_s=0.1 * len(self.work))
+
+    result = asyncio.run(dispatcher(Workers(lambda work, attempt: Timed(work))).dispatch(plan(3), 1e12))
+    fetched = replace(result, plan_s=0.002).fetch()
+    stages = fetched.stage_times()
+    assert (stages.read, stages.plan, stages.score, stages.encode) == (0.0, 0.002, 0.0, 0.0)
+    assert (stages.queue, stages.sample) == (pytest.approx(0.02), pytest.approx(0.2))  # the part of 2 samples
+    assert stages.fetch == fetched.fetch_s and 0.05 <= stages.fetch < 5
+    over_http = fetched.stage_times(read_s=0.001, plan_s=0.003, fetch_s=0.5, encode_s=0.004)
+    assert (over_http.read, over_http.plan, over_http.fetch, over_http.encode) == (0.001, 0.003, 0.5, 0.004)
+    assert over_http.milliseconds() == {
+        "read_ms": 1.0, "plan_ms": 3.0, "fetch_ms": 500.0, "queue_ms": 20.0, "sample_ms": 200.0, "score_ms": 0.0, "encode_ms": 4.0,
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("api", ["sync", "async"])

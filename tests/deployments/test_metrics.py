@@ -1,12 +1,22 @@
-"""The application's metrics as Prometheus scrapes them: the session's Ray cluster exports them on
-its metrics port (`ray_cluster`), and after known requests the kernels application (one worker
-replica, under batch-invariant kernels) shows what they added exactly, with label sets that do not
-grow with the prompts and seeds it is sent."""
+"""What an operator watches. The application's metrics as Prometheus scrapes them: the session's Ray
+cluster exports them on its metrics port (`ray_cluster`), and after known requests the kernels
+application (one worker replica, under batch-invariant kernels) shows what they added exactly, with
+label sets that do not grow with the prompts and seeds it is sent. And each request's stage times,
+in its response's headers and on the handle's result. And the Grafana dashboard over them
+(`benchmarks/dashboard.py`)."""
 
+import json
 import re
 import time
+from pathlib import Path
 
+import pytest
 import requests
+
+from benchmarks.dashboard import build_dashboard, metric_names
+from rollout.errors import WeightUpdateError
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "rollout_dashboard.json"
 
 STEPS = 2
 SAMPLE_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
@@ -120,3 +130,33 @@ def test_label_sets_do_not_grow_with_prompts_and_seeds(kernels_app, metrics_url)
     label_values = {v for _, labels in after for _, v in labels}
     assert not any("number" in v or (v.isdigit() and int(v) >= 7_000) for v in label_values)
     assert len(after) < 300
+
+
+def test_a_response_says_where_its_time_went_over_http_and_through_the_handle(kernels_app):
+    response = generate(kernels_app, prompt=["1", "2"], num_outputs_per_prompt=2)
+    assert response.status_code == 200
+    total_ms = float(response.headers["x-sgld-timing"])
+    stages = json.loads(response.headers["x-sgld-stages"])
+    assert list(stages) == ["read_ms", "plan_ms", "fetch_ms", "queue_ms", "sample_ms", "score_ms", "encode_ms"]
+    assert all(ms >= 0 for ms in stages.values()) and stages["sample_ms"] > 0
+    # The ingress's stages follow one another within its whole time; the workers' lie within the fetch.
+    assert stages["read_ms"] + stages["plan_ms"] + stages["fetch_ms"] + stages["encode_ms"] <= total_ms + 0.01
+    assert stages["queue_ms"] + stages["sample_ms"] <= stages["fetch_ms"]
+    assert response.headers["server-timing"].startswith(f"read;dur={stages['read_ms']}, plan;dur={stages['plan_ms']}")
+
+    fetched = kernels_app.handle.generate.remote({"prompt": "3", "num_inference_steps": STEPS}).result(timeout_s=120).fetch()
+    handled = fetched.stage_times()
+    assert handled.read == handled.encode == 0 and handled.plan > 0 and handled.sample > 0
+    assert handled.fetch == fetched.fetch_s and handled.score == 0
+
+
+def test_the_dashboard_is_grafanas_builders_output_and_queries_only_what_the_app_exports(kernels_app, metrics_url):
+    assert json.loads(DASHBOARD.read_text()) == build_dashboard()  # `python -m benchmarks.dashboard --json` wrote it
+    # A tree request and a refused weight update, so that the counters only they move exist.
+    tree = {"prompt": "3", "num_outputs_per_prompt": 2, "rollout_branch_steps": [1], "rollout_branch_factors": [2]}
+    assert generate(kernels_app, **tree).status_code == 200
+    with pytest.raises(WeightUpdateError):
+        kernels_app.handle.update_weights_from_disk.remote(model_path="/not/an/allowed/path").result(timeout_s=60)
+    queried = metric_names()
+    series = scraped_once(metrics_url, kernels_app.name, lambda series: queried <= {name for name, _ in series})
+    assert queried <= {name for name, _ in series}, queried - {name for name, _ in series}
