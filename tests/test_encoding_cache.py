@@ -85,7 +85,7 @@ def image(height: int, width: int, seed: int) -> InputImage:
 COPIES = [
     ("sd3", "tiny_family_dirs", 8),
     ("qwenimage", "tiny_family_dirs", 8),
-    ("qwenimage_edit", "tiny_conditioned_dirs", 2),
+    ("qwenimage_edit", "tiny_conditioned_dirs", 1),
     ("wan22_ti2v_image", "tiny_conditioned_dirs", 8),
     ("ltx", "tiny_video_dirs", 8),
 ]
