@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--app-name", default="rollout")
     parser.add_argument("--num-outputs-per-prompt", type=int, default=4)
     parser.add_argument("--num-inference-steps", type=int, default=20)
-    parser.add_argument("--sde-type", default="sde", choices=["sde", "cps", "ode"])
+    parser.add_argument("--sde-type", default="sde", choices=["sde", "cps", "dance", "ode"])
     parser.add_argument("--noise-level", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0, help="base seed; request r starts where request r-1 ended")
     parser.add_argument("--prompts-per-request", type=int, default=8)

@@ -66,7 +66,7 @@ class RolloutRequest(BaseModel):
         description="'uint8': a video model's generated_output rounded to 8 bits (4x fewer bytes), as SGLang; "
         "None: fp32 as sampled. Image models ignore it.",
     )
-    rollout_sde_type: str = Field("sde", description="Transition of the stochastic steps: sde, cps or ode.")
+    rollout_sde_type: str = Field("sde", description="Transition of the stochastic steps: sde, cps, dance or ode.")
     rollout_noise_level: float = Field(0.7, description="eta, the noise level.")
     rollout_log_prob_no_const: bool = Field(
         False, description="Per-step log-probs as -(x_next - mean)^2, SGLang's constant-free form."

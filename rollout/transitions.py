@@ -27,6 +27,7 @@ _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 class TransitionKind(str, enum.Enum):
     SDE = "sde"  # Flow-GRPO's SDE, a Gaussian around a corrected Euler step
     CPS = "cps"  # coefficients-preserving sampling
+    DANCE = "dance"  # DanceGRPO's SDE: constant diffusion, a score-corrected Euler step
     ODE = "ode"  # plain Euler, deterministic, draws no noise
 
     @property
@@ -130,6 +131,13 @@ def transition_distribution(
         std = eta * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_after_one.float(), sigma)))
         mean = x_t * (1 + std**2 * dt / (2 * sigma)) + v * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
         return mean, std * torch.sqrt(-dt)
+    if kind is TransitionKind.DANCE:
+        # DanceGRPO's `flux_step` (MixGRPO's and BranchGRPO's too), in its order of operations: the
+        # Euler step, plus -eta^2/2 times the score of x_t given x0_hat = x_t - sigma v, times dt.
+        x0_estimate = x_t - sigma * v
+        score = -(x_t - x0_estimate * (1 - sigma)) / sigma**2
+        mean = (x_t + dt * v) + (-0.5 * eta**2 * score) * dt
+        return mean, eta * torch.sqrt(-dt)
     if kind is TransitionKind.CPS:
         std = sigma_next * math.sin(eta * math.pi / 2)
         x0_estimate = x_t - sigma * v

@@ -29,6 +29,16 @@ def reference_step(kind, x, v, s, s_next, eta, sigma_after_one, eps):
     return mean, noise_std, mean + noise_std * eps
 
 
+def assert_mean_close(kind, actual, expected, x, v, s, s_next, eta):
+    """fp32 `actual` against float64 `expected` within what fp32 rounding may move the mean:
+    DanceGRPO's score divides x_t - x0_hat (1 - sigma), a difference of two near-equal terms, by
+    sigma^2, which the step multiplies by eta^2 |dt| / 2: ulps of x_t and x0_hat grow by that much."""
+    bound = 1e-6 + 1e-5 * np.abs(expected)
+    if kind == "dance":
+        bound = bound + 8 * 2.0**-24 * (np.abs(x) + np.abs(x - s * v)) * 0.5 * eta**2 * (s - s_next) / s**2
+    assert (np.abs(actual - expected) <= bound).all(), float((np.abs(actual - expected) / bound).max())
+
+
 def reference_log_prob(x_next, mean, noise_std, form):
     if noise_std == 0:
         return np.zeros(x_next.shape[0])
@@ -74,9 +84,11 @@ def test_sampling_matches_the_reference(kind, step, eta, form):
         sigmas[1].item(),
         eps.double().numpy(),
     )
-    np.testing.assert_allclose(transition.mean.numpy(), mean, rtol=1e-5, atol=1e-6)
+    x64, v64 = x.double().numpy(), v.double().numpy()
+    s, s_next = sigmas[step].item(), sigmas[step + 1].item()
+    assert_mean_close(kind.value, transition.mean.numpy(), mean, x64, v64, s, s_next, eta)
     np.testing.assert_allclose(transition.noise_std.item(), noise_std, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(transition.x_next.numpy(), x_next, rtol=1e-5, atol=1e-6)
+    assert_mean_close(kind.value, transition.x_next.numpy(), x_next, x64, v64, s, s_next, eta)
     expected = reference_log_prob(transition.x_next.double().numpy(), mean, noise_std, form.value)
     np.testing.assert_allclose(transition.log_prob.numpy(), expected, rtol=1e-4, atol=1e-4)
     assert transition.log_prob.shape == (SHAPE[0],)
@@ -112,7 +124,45 @@ def test_ode_is_bit_identical_to_the_diffusers_euler_step(dtype):
         assert torch.equal(ours.log_prob, torch.zeros(SHAPE[0]))
 
 
-@pytest.mark.parametrize("kind", [TransitionKind.SDE, TransitionKind.CPS])
+def dance_grpo_flux_step(model_output, latents, eta, sigmas, index, prev_sample):
+    """DanceGRPO's `flux_step` with `sde_solver` and `grpo` on (fastvideo/train_grpo_flux.py; the
+    same in MixGRPO and BranchGRPO), written again in float64 numpy: (mean, std, log_prob)."""
+    sigma = sigmas[index]
+    dsigma = sigmas[index + 1] - sigma
+    prev_sample_mean = latents + dsigma * model_output
+    pred_original_sample = latents - sigma * model_output
+    delta_t = sigma - sigmas[index + 1]
+    std_dev_t = eta * math.sqrt(delta_t)
+    score_estimate = -(latents - pred_original_sample * (1 - sigma)) / sigma**2
+    log_term = -0.5 * eta**2 * score_estimate
+    prev_sample_mean = prev_sample_mean + log_term * dsigma
+    log_prob = -((prev_sample - prev_sample_mean) ** 2) / (2 * std_dev_t**2) - math.log(std_dev_t) - math.log(math.sqrt(2 * math.pi))
+    return prev_sample_mean, std_dev_t, log_prob.reshape(len(log_prob), -1).mean(axis=1)
+
+
+@pytest.mark.parametrize("step", range(10))  # the first (sigma 1) and the last (sigma_next 0) included
+@pytest.mark.parametrize("eta", [0.3, 1.0])  # DanceGRPO's default, and more
+def test_dance_is_dance_grpos_own_step_and_log_prob(step, eta):
+    x, v, eps = draw(20 + step)
+    sigmas = SCHEDULE.sigmas
+    common = dict(eta=eta, sigma_after_one=sigmas[1])
+    sampled = take_step(TransitionKind.DANCE, x, v, sigmas[step], sigmas[step + 1], noise=eps, **common)
+    mean, std, log_prob = dance_grpo_flux_step(
+        v.double().numpy(), x.double().numpy(), eta, sigmas.double().numpy(), step, sampled.x_next.double().numpy()
+    )
+    x64, v64, s, s_next = x.double().numpy(), v.double().numpy(), sigmas[step].item(), sigmas[step + 1].item()
+    assert_mean_close("dance", sampled.mean.numpy(), mean, x64, v64, s, s_next, eta)
+    assert sampled.noise_std.item() == pytest.approx(std, rel=1e-6)
+    assert_mean_close("dance", sampled.x_next.numpy(), mean + std * eps.double().numpy(), x64, v64, s, s_next, eta)
+    np.testing.assert_allclose(sampled.log_prob.numpy(), log_prob, rtol=1e-4, atol=1e-4)
+    # Without the constants (the ratio is the same), as a trainer replaying it scores it.
+    no_const = take_step(
+        TransitionKind.DANCE, x, v, sigmas[step], sigmas[step + 1], x_next=sampled.x_next, log_prob_form=LogProbForm.GAUSSIAN_NO_CONST, **common
+    )
+    np.testing.assert_allclose(no_const.log_prob.numpy(), log_prob + math.log(std) + 0.5 * math.log(2 * math.pi), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", [TransitionKind.SDE, TransitionKind.CPS, TransitionKind.DANCE])
 def test_scoring_the_sampled_latent_gives_the_same_bits(kind):
     x, v, eps = draw(7)
     sigmas = SCHEDULE.sigmas
@@ -133,7 +183,7 @@ def log_ratio(form, kind=TransitionKind.SDE):
     return new.log_prob - old.log_prob, old.noise_std
 
 
-@pytest.mark.parametrize("kind", [TransitionKind.SDE, TransitionKind.CPS])
+@pytest.mark.parametrize("kind", [TransitionKind.SDE, TransitionKind.CPS, TransitionKind.DANCE])
 def test_only_the_constants_free_gaussian_keeps_the_ppo_ratio(kind):
     true_ratio, noise_std = log_ratio(LogProbForm.GAUSSIAN, kind)
     without_constants, _ = log_ratio(LogProbForm.GAUSSIAN_NO_CONST, kind)
