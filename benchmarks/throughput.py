@@ -35,7 +35,7 @@ from typing import Self
 import torch
 
 from benchmarks.serving import Spread, take_turns
-from rollout.calibration import STARTUP_BUDGET_S, CalibrationCache, calibrate_at_start
+from rollout.calibration import STARTUP_BUDGET_S, CalibrationCache, calibrate_at_start, calibration_keys
 from rollout.kernels import BatchInvariance
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
@@ -95,7 +95,9 @@ def calibrated_sizes(path: Path, name: str) -> tuple[int, int, str]:
     SIZE by default: measured at its start (`rollout.calibration.calibrate_at_start`, the model's
     default guidance, the default budget), and its times."""
     with tempfile.TemporaryDirectory() as cache:
-        startup = calibrate_at_start(load_pipeline(None, path), [(SIZE, SIZE)], STARTUP_BUDGET_S, CalibrationCache(Path(cache)))
+        pipeline = load_pipeline(None, path)
+        keys = calibration_keys(pipeline, [(SIZE, SIZE)])
+        startup = calibrate_at_start(pipeline, keys, STARTUP_BUDGET_S, CalibrationCache(Path(cache)))
     (calibration,) = startup.measured
 
     def ms(per_sample: dict[int, float]) -> str:

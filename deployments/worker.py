@@ -147,9 +147,7 @@ class RolloutWorker:
         if agreed is None:
             directory = model.calibration_cache_dir
             cache = CalibrationCache(default_cache_directory() if directory is None else Path(directory))
-            measured = await self._on_sampling_thread(
-                calibrate_at_start, self.pipeline, sizes, model.calibration_budget_s, cache
-            )
+            measured = await self._on_sampling_thread(calibrate_at_start, self.pipeline, keys, model.calibration_budget_s, cache)
             for note in measured.notes:
                 logger.info("micro-batch sizes at %s", note)
             offered = {"micro_batch_sizes": measured.micro_batch_sizes, "decode_batch_sizes": measured.decode_batch_sizes}

@@ -37,6 +37,7 @@ from rollout.conditioning import Conditioning
 from rollout.errors import ModelLoadError
 from rollout.input_images import ImageInputLimits, InputImage, decode_input_image
 from rollout.kernels import BatchInvariance
+from rollout.micro_batching import parse_image_size
 from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, pad_conditioning, resolve_options, rows_per_sample, sample_tree
@@ -647,30 +648,25 @@ class StartupCalibration:
     measured: list[Calibration]
 
 
-def calibrate_at_start(
-    pipeline: RolloutPipeline,
-    sizes: list[tuple[int, int]],
-    budget_s: float,
-    cache: CalibrationCache,
-    load: int = DEFAULT_LOAD,
-) -> StartupCalibration:
-    """The micro-batch sizes for each of `sizes` on this device: read from `cache`, else measured by
-    `calibrate` (the model's default guidance, `startup_candidates`) and kept there. All of it,
-    waiting for another calibration on the machine included, within `budget_s` seconds (a size
-    reached after that keeps the model's default), give or take one rollout at one size."""
+def calibrate_at_start(pipeline: RolloutPipeline, keys: list[dict], budget_s: float, cache: CalibrationCache) -> StartupCalibration:
+    """The micro-batch sizes for each of `keys` (`calibration_keys`: an image size, with the load
+    and candidates to measure it for) on this device: read from `cache`, else measured by
+    `calibrate` (the model's default guidance) and kept there. All of it, waiting for another
+    calibration on the machine included, within `budget_s` seconds (a size reached after that
+    keeps the model's default), give or take one rollout at one size."""
     deadline = time.monotonic() + budget_s
     chosen, chosen_for_decode, notes, measured = {}, {}, [], []
     with cache.one_at_a_time(deadline):
-        for (height, width), key in zip(sizes, calibration_keys(pipeline, sizes, load)):
-            size = f"{height}x{width}"
+        for key in keys:
+            size = key["size"]
             kept = cache.read(key)
             if kept is None and _past(deadline):
                 notes.append(f"{size}: not calibrated: the {budget_s:g} s budget ran out")
                 continue
             if kept is None:
                 started = time.monotonic()
-                candidates = tuple(key["candidates"])
-                calibration = calibrate(pipeline, height, width, candidates, load=load, deadline=deadline)
+                height, width = parse_image_size(size)
+                calibration = calibrate(pipeline, height, width, tuple(key["candidates"]), load=key["load"], deadline=deadline)
                 cache.write(key, calibration)
                 measured.append(calibration)
                 kept = calibration.chosen, calibration.chosen_for_decode

@@ -343,7 +343,8 @@ def test_a_size_that_runs_out_of_memory_is_left_out_with_every_larger_one(pipeli
 def test_a_start_up_calibration_is_kept_on_the_machine_and_read_back_for_its_key_only(pipelines, tmp_path, monkeypatch):
     pipeline, sizes = pipelines("sd3"), [(SIZE, SIZE), (32, 64)]
     cache = CalibrationCache(tmp_path)
-    measured = calibrate_at_start(pipeline, sizes, budget_s=60, cache=cache, load=2)
+    keys = calibration_keys(pipeline, sizes, load=2)
+    measured = calibrate_at_start(pipeline, keys, budget_s=60, cache=cache)
     assert [note.split(":")[1].split(" in ")[0] for note in measured.notes] == [" measured"] * 2
     # Guided SD3 at load 2: calls of 2 or 4 rows, each at a size its padding keeps a sample's bits.
     assert set(measured.micro_batch_sizes) == set(measured.decode_batch_sizes) == {f"{SIZE}x{SIZE}", "32x64"}
@@ -354,18 +355,18 @@ def test_a_start_up_calibration_is_kept_on_the_machine_and_read_back_for_its_key
         raise AssertionError("measured again")
 
     monkeypatch.setattr("rollout.calibration.calibrate", measuring)
-    read = calibrate_at_start(pipeline, sizes, budget_s=0, cache=cache, load=2)
+    read = calibrate_at_start(pipeline, keys, budget_s=0, cache=cache)
     assert (read.micro_batch_sizes, read.decode_batch_sizes) == (measured.micro_batch_sizes, measured.decode_batch_sizes)
     assert read.notes == [f"{SIZE}x{SIZE}: read from {tmp_path}", f"32x64: read from {tmp_path}"]
     # Another dtype, load or size is another key: nothing kept for it, and no time left to measure.
-    (key,) = calibration_keys(pipeline, [(SIZE, SIZE)], load=2)
+    key = keys[0]
     for other in (
         calibration_keys(pipelines("sd3", dtype="bfloat16"), [(SIZE, SIZE)], load=2)[0],
         calibration_keys(pipeline, [(SIZE, SIZE)], load=3)[0],
         calibration_keys(pipeline, [(SIZE, 32)], load=2)[0],
     ):
         assert other != key and cache.read(other) is None
-    assert calibrate_at_start(pipeline, [(SIZE, 32)], budget_s=0, cache=cache, load=2).notes == [
+    assert calibrate_at_start(pipeline, calibration_keys(pipeline, [(SIZE, 32)], load=2), budget_s=0, cache=cache).notes == [
         f"{SIZE}x32: not calibrated: the 0 s budget ran out"
     ]
     # A damaged or foreign file reads as absent.
