@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -93,8 +94,6 @@ PANELS = (
 
 def metric_names(panels=PANELS) -> set[str]:
     """Every exported series name the panels query."""
-    import re
-
     return {name for panel in panels for query in panel.queries for name in re.findall(r"ray_rollout_[a-z_]+", query.expr)}
 
 
