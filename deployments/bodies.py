@@ -23,10 +23,9 @@ from starlette.requests import ClientDisconnect
 
 from deployments.config import RolloutAppConfig
 from deployments.work import ServiceUnavailableError
-from rollout.codec import from_json, from_msgpack, parse_json, parse_msgpack
+from rollout.codec import MSGPACK, from_json, from_msgpack, parse_json, parse_msgpack
 from rollout.errors import FieldError
 
-MSGPACK = "application/msgpack"
 
 
 class BodyTooLargeError(FieldError):

@@ -34,6 +34,8 @@ from rollout.safetensors_header import (
     tensor_entries,
 )
 
+# The media type of a msgpack body, both ways.
+MSGPACK = "application/msgpack"
 TENSOR_MARKER = "__tensor__"
 _TENSOR_KEY = "t"
 # The dtypes a tensor envelope carries (SGLang's), by safetensors name.

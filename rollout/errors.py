@@ -17,8 +17,8 @@ _EXCERPT.maxstring = _EXCERPT.maxother = 80
 # Room for a field name and for a message with an excerpt or two; an HTTP error body holds the
 # message twice (`error` and `detail`) and stays under 2 KB.
 _MAX_FIELD_CHARS = 100
-_MAX_REASON_CHARS = 500
-_MAX_MESSAGE_CHARS = _MAX_FIELD_CHARS + _MAX_REASON_CHARS + 100
+MAX_REASON_CHARS = 500
+_MAX_MESSAGE_CHARS = _MAX_FIELD_CHARS + MAX_REASON_CHARS + 100
 
 
 def short_repr(value) -> str:
@@ -65,7 +65,7 @@ class FieldError(RolloutError, ValueError):
     def __init__(self, field: str, reason: str):
         # Clipped here so that no raiser, in this library or a model's code, can echo a whole value.
         self.field = clip(field)
-        self.reason = clip(reason, _MAX_REASON_CHARS)
+        self.reason = clip(reason, MAX_REASON_CHARS)
         super().__init__(f"{self.field}: {self.reason}")
 
     def __reduce__(self):
@@ -132,7 +132,7 @@ class ScorerError(RolloutError):
 
     def __init__(self, scorer: str, reason: str):
         self.scorer = clip(scorer)
-        self.reason = clip(reason, _MAX_REASON_CHARS)
+        self.reason = clip(reason, MAX_REASON_CHARS)
         super().__init__(f"scorer {self.scorer!r}: {self.reason}")
 
     def __reduce__(self):

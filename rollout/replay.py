@@ -79,6 +79,22 @@ def replay_log_probs(
     return ReplayedLogProbs(step_indices=torch.tensor(steps, dtype=torch.int64), log_probs=log_probs)
 
 
+@dataclass(frozen=True)
+class ReplayedTransitions:
+    """The transitions x_i -> x_{i+1} the samples took at some steps, as the trainer's model sees them.
+
+    Attributes:
+        log_probs: `(N, S)` fp32, the log-prob of each sample's x_{i+1} at each step.
+        means: `(N, S, ...)` fp32, each transition's mean (Flow-GRPO's KL to a reference model is
+            the squared distance of two models' means over the step's variance).
+        noise_stds: `(S,)` fp32, each step's standard deviation around its mean (0 on ODE steps).
+    """
+
+    log_probs: torch.Tensor
+    means: torch.Tensor
+    noise_stds: torch.Tensor
+
+
 def transition_log_probs(
     pipeline: RolloutPipeline,
     schedule: ScheduleSnapshot,
@@ -93,6 +109,17 @@ def transition_log_probs(
     equal the rollout's log-probs bit for bit. Each step needs x_i and x_{i+1} among the kept
     latents (`replayable_steps`). Arguments as for `replay_log_probs`.
     """
+    return replayed_transitions(pipeline, schedule, options, samples, steps).log_probs
+
+
+def replayed_transitions(
+    pipeline: RolloutPipeline,
+    schedule: ScheduleSnapshot,
+    options: SamplingOptions,
+    samples: Sequence[SampleTrajectory],
+    steps: Sequence[int],
+) -> ReplayedTransitions:
+    """`transition_log_probs` with each transition's mean and std, differentiable as it is."""
     kept_steps = _kept_steps(samples)
     position = {step: k for k, step in enumerate(kept_steps.tolist())}
     not_replayable = [step for step in steps if step not in position or step + 1 not in position]
@@ -112,7 +139,7 @@ def transition_log_probs(
     held = pipeline.held_frames(conditioning)
     held = None if held is None else held.to(device)
 
-    log_probs = []
+    transitions = []
     for step in steps:
         x_t = latents[:, position[step]]
         x_next = latents[:, position[step + 1]]
@@ -131,8 +158,15 @@ def transition_log_probs(
             log_prob_form=options.log_prob_form,
             held=held,
         )
-        log_probs.append(transition.log_prob)
-    return torch.stack(log_probs, dim=1) if log_probs else latents.new_zeros(len(samples), 0)
+        transitions.append(transition)
+    if not transitions:
+        empty = latents.new_zeros(len(samples), 0)
+        return ReplayedTransitions(empty, latents[:, :0], latents.new_zeros(0))
+    return ReplayedTransitions(
+        torch.stack([t.log_prob for t in transitions], dim=1),
+        torch.stack([t.mean for t in transitions], dim=1),
+        torch.stack([t.noise_std.reshape(()) for t in transitions]),
+    )
 
 
 def _kept_steps(samples: Sequence[SampleTrajectory]) -> torch.Tensor:

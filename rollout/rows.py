@@ -1,5 +1,6 @@
 """The response rows: one map per sample, in SGLang's layout, from a plan and its sampled batch;
-and, for a trainer that reads rows, the schedule they carry.
+for a trainer that reads rows, the schedule they carry; and the batch answer, for a client that
+reads the batch itself (`rollout.client`): `RolloutBatch.to_wire` beside the request's own fields.
 
 Every row has all of SGLang's keys (None where unset), then this server's extensions. Tensors
 are left for the codec (`rollout.codec`) to encode; the per-request tensors of `dit_trajectory`
@@ -23,6 +24,9 @@ from rollout.video import frames_as_uint8
 SCHEDULE_KEYS = {"sigmas": "sigmas", "scheduler_timesteps": "timesteps", "model_timesteps": "model_timesteps"}
 # Held only by a model with several denoisers (`ScheduleSnapshot.model_experts`).
 EXPERTS_KEY = "model_experts"
+# The `Accept` media types of the batch answer (`batch_answer`), by the codec that writes each.
+BATCH_MSGPACK = "application/vnd.rollout.batch+msgpack"
+BATCH_JSON = "application/vnd.rollout.batch+json"
 
 
 def response_rows(
@@ -55,6 +59,7 @@ def response_rows(
     if batch.schedule.model_experts is not None:
         trajectory_labels[EXPERTS_KEY] = batch.schedule.model_experts
     return_trajectory = request.rollout and request.rollout_return_dit_trajectory
+    per_request = request_fields(plan, inference_time_s, peak_memory_mb, reward_times, cost, request_cost)
     return [
         {
             "request_id": plan.request_id,
@@ -65,27 +70,54 @@ def response_rows(
             "rollout_debug_tensors": _debug_tensors(sample),
             "denoising_env": sample.denoising_env,
             "dit_trajectory": {"latents": sample.latents, **trajectory_labels} if return_trajectory else None,
-            "inference_time_s": inference_time_s,
-            "peak_memory_mb": None if request.suppress_logs else peak_memory_mb,
+            "inference_time_s": per_request["inference_time_s"],
+            "peak_memory_mb": per_request["peak_memory_mb"],
             "prompt_index": i // plan.num_outputs_per_prompt,
             "sample_seed": sample.seed,
             "weight_version": sample.weight_version,
             "branch_path": list(sample.branch_path),
             "branch_seeds": list(sample.branching.branch_seeds(sample.root_seed, sample.branch_path)),
-            "transformer_rows": None if cost is None else cost.transformer_rows,
-            "transformer_rows_unbranched": None if cost is None else cost.transformer_rows_unbranched,
-            "request_cost": None if request_cost is None else request_cost.token_steps,
-            **_reward_fields(plan, sample, reward_times),
+            **{name: per_request[name] for name in ("transformer_rows", "transformer_rows_unbranched", "request_cost")},
+            **_reward_fields(plan, sample, per_request),
         }
         for i, sample in enumerate(batch.samples)
     ]
 
 
-def _reward_fields(plan: RolloutPlan, sample: SampleTrajectory, times: tuple[float, float] | None) -> dict[str, Any]:
+def request_fields(
+    plan: RolloutPlan,
+    inference_time_s: float,
+    peak_memory_mb: float | None = None,
+    reward_times: tuple[float, float] | None = None,
+    cost: TransformerCost | None = None,
+    request_cost: RequestCost | None = None,
+) -> dict[str, Any]:
+    """What a response says of the whole request (`response_rows` repeats it in every row):
+    `request_id`, `inference_time_s`, `peak_memory_mb`, `transformer_rows`,
+    `transformer_rows_unbranched`, `request_cost`, and with rewards `reward_time_s`, `reward_wait_s`."""
+    fields = {
+        "request_id": plan.request_id,
+        "inference_time_s": inference_time_s,
+        "peak_memory_mb": None if plan.request.suppress_logs else peak_memory_mb,
+        "transformer_rows": None if cost is None else cost.transformer_rows,
+        "transformer_rows_unbranched": None if cost is None else cost.transformer_rows_unbranched,
+        "request_cost": None if request_cost is None else request_cost.token_steps,
+    }
+    if plan.rewards is not None:
+        fields["reward_time_s"], fields["reward_wait_s"] = reward_times or (None, None)
+    return fields
+
+
+def batch_answer(plan: RolloutPlan, batch: RolloutBatch, **request: Any) -> dict[str, Any]:
+    """The batch answer: `request_fields(plan, **request)` and the batch itself, under `batch`
+    (`RolloutBatch.to_wire`: the schedule once, a tree's nodes once, every tensor as sampled)."""
+    return {**request_fields(plan, **request), "batch": batch.to_wire()}
+
+
+def _reward_fields(plan: RolloutPlan, sample: SampleTrajectory, per_request: dict[str, Any]) -> dict[str, Any]:
     if plan.rewards is None:
         return {}
-    reward_time_s, reward_wait_s = times or (None, None)
-    fields = {"rewards": sample.rewards, "reward_time_s": reward_time_s, "reward_wait_s": reward_wait_s}
+    fields = {"rewards": sample.rewards, "reward_time_s": per_request["reward_time_s"], "reward_wait_s": per_request["reward_wait_s"]}
     if plan.rewards.group_advantages:
         fields["advantages"] = sample.advantages
     return fields

@@ -20,20 +20,19 @@ joined from its path's nodes.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from rollout.errors import NonFiniteOutputError
+from rollout.errors import CodecError, NonFiniteOutputError, short_repr
+from rollout.input_images import InputImage
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
 from rollout.tree import Branching
-
-if TYPE_CHECKING:
-    from rollout.input_images import InputImage
 
 
 @dataclass(frozen=True)
@@ -176,6 +175,12 @@ class RolloutBatch:
         plain = [_plain_fields(s) for s in self.samples]
         if not any(s.branching for s in self.samples):
             return _unpacked_batch, (self.schedule, self.options, self.model, plain, _stacked(self.samples))
+        return _unpacked_tree_batch, (self.schedule, self.options, self.model, plain, *self._tree_parts())
+
+    def _tree_parts(self) -> tuple[dict, list, list[list[int]]]:
+        """A tree batch's tensors as they cross a boundary: the leaves' own (not following their
+        paths), each node's once (stacked over the nodes of equal shapes), and each leaf's path
+        as positions in `tree()`."""
         nodes = self.tree()
         own = _stacked(self.samples, exclude=_PATH_FIELDS)
         shapes = [{name: tuple(t.shape) for name, t in node.tensors.items()} for node in nodes]
@@ -189,7 +194,79 @@ class RolloutBatch:
             [position[(root_of[i], leaf.branch_path[:depth])] for depth in range(len(leaf.branch_path) + 1)]
             for i, leaf in enumerate(self.samples)
         ]
-        return _unpacked_tree_batch, (self.schedule, self.options, self.model, plain, own, stacked_nodes, paths)
+        return own, stacked_nodes, paths
+
+    def to_wire(self) -> dict[str, Any]:
+        """The batch as maps, lists, strings, numbers and tensors, for `rollout.codec` to encode
+        (the batch answer of `POST /rollout/generate`, which `rollout.client` reads): the schedule
+        and options once, each tensor field stacked over the samples (a tree's over its nodes,
+        each node once), and the maps and image tuples that samples share (a prompt's
+        `denoising_env` and `condition_images`) once. `from_wire` is its inverse, bit for bit."""
+        shared: dict[str, dict[int, tuple[int, Any]]] = {"denoising_env": {}, "condition_images": {}}
+
+        def share(kind: str, value: Any) -> int | None:
+            if value is None or value == ():
+                return None
+            return shared[kind].setdefault(id(value), (len(shared[kind]), value))[0]
+
+        samples = [
+            {
+                **{name: getattr(s, name) for name in _WIRE_PLAIN_FIELDS},
+                "branching": {"steps": list(s.branching.steps), "factors": list(s.branching.factors)},
+                "branch_path": list(s.branch_path),
+                "denoising_env": share("denoising_env", s.denoising_env),
+                "condition_images": share("condition_images", s.condition_images),
+            }
+            for s in self.samples
+        ]
+        wire = {
+            "format": WIRE_FORMAT,
+            "model": self.model,
+            "options": _options_to_wire(self.options),
+            "schedule": {f.name: getattr(self.schedule, f.name) for f in dataclasses.fields(ScheduleSnapshot)},
+            "samples": samples,
+            "denoising_envs": [env for _, env in shared["denoising_env"].values()],
+            "condition_images": [[image.pixels for image in images] for _, images in shared["condition_images"].values()],
+        }
+        if not any(s.branching for s in self.samples):
+            return {**wire, "tensors": _tensors_to_wire(_stacked(self.samples))}
+        own, stacked_nodes, paths = self._tree_parts()
+        nodes = [{"members": members, "tensors": _tensors_to_wire(stacked)} for members, stacked in stacked_nodes]
+        return {**wire, "tree": {"own": _tensors_to_wire(own), "nodes": nodes, "paths": paths}}
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> "RolloutBatch":
+        """The batch `to_wire` gave, its tensors decoded (`rollout.codec.decode_tree`); raises
+        `CodecError` naming what does not fit the layout."""
+        try:
+            if not isinstance(wire, dict) or wire.get("format") != WIRE_FORMAT:
+                found = wire.get("format") if isinstance(wire, dict) else type(wire).__name__
+                raise CodecError(f"not a rollout batch of format {WIRE_FORMAT!r} (got {short_repr(found)})")
+            schedule = ScheduleSnapshot(**wire["schedule"])
+            options = _options_from_wire(wire["options"])
+            envs = wire["denoising_envs"]
+            images = [tuple(InputImage(pixels) for pixels in pixels_list) for pixels_list in wire["condition_images"]]
+            plain = [
+                {
+                    **{name: fields[name] for name in _WIRE_PLAIN_FIELDS},
+                    "branching": Branching(**fields["branching"]),
+                    "branch_path": tuple(fields["branch_path"]),
+                    "denoising_env": None if fields["denoising_env"] is None else envs[fields["denoising_env"]],
+                    "condition_images": () if fields["condition_images"] is None else images[fields["condition_images"]],
+                }
+                for fields in wire["samples"]
+            ]
+            if "tree" not in wire:
+                return _unpacked_batch(schedule, options, wire["model"], plain, wire["tensors"])
+            tree = wire["tree"]
+            nodes = [(node["members"], node["tensors"]) for node in tree["nodes"]]
+            return _unpacked_tree_batch(schedule, options, wire["model"], plain, tree["own"], nodes, tree["paths"])
+        except CodecError:
+            raise
+        except KeyError as error:
+            raise CodecError(f"rollout batch does not fit its layout: a map lacks the key {short_repr(error.args[0])}") from None
+        except (IndexError, TypeError, ValueError) as error:
+            raise CodecError(f"rollout batch does not fit its layout: {type(error).__name__}: {short_repr(str(error))}") from None
 
     def tree(self) -> list[TreeNode]:
         """The batch's tree nodes, root by root, each node before its children (`TreeNode`): the
@@ -272,6 +349,30 @@ class RolloutBatch:
 
 _TENSOR_FIELDS = ("image", "final_latents", "log_probs", "latents", "latent_step_indices")
 _DEBUG_FIELDS = tuple(f.name for f in dataclasses.fields(StepDebug))
+# What `RolloutBatch.to_wire` names; a reader that finds another refuses it rather than guess.
+WIRE_FORMAT = "rollout-batch/1"
+# A sample's fields that cross the wire as they are (strings, numbers, maps of them).
+_WIRE_PLAIN_FIELDS = ("prompt", "negative_prompt", "seed", "weight_version", "rewards", "advantages")
+
+
+def _options_to_wire(options: SamplingOptions) -> dict[str, Any]:
+    def plain(value):
+        return value.value if isinstance(value, enum.Enum) else list(value) if isinstance(value, tuple) else value
+
+    return {f.name: plain(getattr(options, f.name)) for f in dataclasses.fields(SamplingOptions)}
+
+
+def _options_from_wire(fields: dict[str, Any]) -> SamplingOptions:
+    """`SamplingOptions` from `_options_to_wire`'s map, checked as any options are."""
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(SamplingOptions)})
+    if unknown:
+        raise CodecError(f"rollout batch: options {short_repr(unknown)} are not SamplingOptions' fields")
+    return SamplingOptions(**{name: tuple(v) if isinstance(v, list) else v for name, v in fields.items()})
+
+
+def _tensors_to_wire(stacked: dict[str, np.ndarray | list[torch.Tensor]]) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """`_stacked`'s columns as tensors (the codec's), numpy's sharing their memory."""
+    return {name: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for name, v in stacked.items()}
 
 
 def _plain_fields(sample: SampleTrajectory) -> dict[str, Any]:
@@ -341,7 +442,7 @@ def _columns(stacked: dict[str, np.ndarray | list[torch.Tensor]]) -> dict[str, t
         # Ray hands numpy buffers out of the object store read-only; torch cannot mark a tensor so.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for name, value in stacked.items():
-            columns[name] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+            columns[name] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value  # a list, or a tensor off the wire
     return columns
 
 

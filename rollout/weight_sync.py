@@ -492,24 +492,9 @@ class _SharedMemory:
 # The trainer's side ------------------------------------------------------------------------------
 
 # How a trainer reaches the server: `call(route, body)` answers SGLang's route `route` (its name,
-# e.g. "update_weights_from_distributed") with `body`, as a dict, or raises `WeightUpdateError`.
+# e.g. "update_weights_from_distributed") with `body`, as a dict, or raises `WeightUpdateError`:
+# `rollout.client.RolloutClient(url).weight_route` over HTTP, `handle_server(handle)` through a handle.
 ServerCall = Callable[[str, dict], dict]
-
-
-def http_server(url: str, token: str | None = None, timeout_s: float = 600.0) -> ServerCall:
-    """The server at `url` (`http://host:port`) over HTTP, with its operator token if it has one."""
-    import requests  # only a trainer that talks HTTP needs it
-
-    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-
-    def call(route: str, body: dict) -> dict:
-        response = requests.post(f"{url.rstrip('/')}/{route}", json=body, headers=headers, timeout=timeout_s)
-        answer = response.json()
-        if response.status_code != 200 or not answer.get("success", True):
-            raise WeightUpdateError(route, answer.get("message") or answer.get("detail") or str(answer))
-        return answer
-
-    return call
 
 
 class _BucketSender:
@@ -585,7 +570,7 @@ class WeightSender(_BucketSender):
     """The trainer's end of a weight-update group with one server: it creates the group as rank 0,
     has the server's replicas join it, and broadcasts each update while the server receives it.
 
-        sender = WeightSender(http_server("http://127.0.0.1:8000"), server_ranks=2, master_port=29600)
+        sender = RolloutClient("http://127.0.0.1:8000").weight_sender(server_ranks=2, master_port=29600)
         sender.update(model.state_dict(), weight_version="step-1")   # or a PEFT adapter, with lora_rank/alpha
         sender.close()
 
@@ -664,7 +649,7 @@ class SharedMemorySender(_BucketSender):
     shared memory for `device` "cpu", CUDA IPC for a GPU, and the replicas copy them out. No group
     and no collective; the same checks, checksums and deltas as `WeightSender`.
 
-        sender = SharedMemorySender(http_server("http://127.0.0.1:8000"))
+        sender = RolloutClient("http://127.0.0.1:8000").shared_memory_sender()
         sender.update(model.state_dict(), weight_version="step-1")
         sender.close()   # frees the shared memory
     """

@@ -26,8 +26,9 @@ from deployments.routes import route
 from rollout.codec import to_json, to_msgpack
 from rollout.errors import clip
 from rollout.plan import RolloutPlan, plan_rollout
-from rollout.rows import response_rows
+from rollout.rows import BATCH_JSON, BATCH_MSGPACK, batch_answer, response_rows
 from rollout.schema import RolloutRequest, parse_request, unknown_fields
+from rollout.trajectory import RolloutBatch
 
 logger = logging.getLogger("ray.serve")
 
@@ -109,19 +110,33 @@ class GenerateRoutes:
         # The response's inference_time_s: the whole request's wall time here, from reading its body
         # to its parts fetched and scored (a part's sampler call is `WorkerResult.sampler_call_s`).
         inference_time_s = time.perf_counter() - start
-        rows = response_rows(
-            plan, batch, inference_time_s, peak_memory_mb, fetched.reward_times, fetched.cost(), fetched.request_cost
+        request = dict(
+            inference_time_s=inference_time_s,
+            peak_memory_mb=peak_memory_mb,
+            reward_times=fetched.reward_times,
+            cost=fetched.cost(),
+            request_cost=fetched.request_cost,
         )
-        if "application/json" in http_request.headers.get("accept", ""):
-            body, media_type = to_json(rows), "application/json"
-        else:
-            body, media_type = to_msgpack(rows), MSGPACK
+        body, media_type = _encoded_answer(plan, batch, http_request.headers.get("accept", ""), request)
         done = time.perf_counter()
         stages = fetched.stage_times(read - start, planned - read, sampled - planned, done - sampled)
         answer = Response(body, media_type=media_type, headers=timing_headers(stages, done - start))
-        self.metrics.answered("http", 200, len(rows), done - start)
+        self.metrics.answered("http", 200, len(batch.samples), done - start)
         self.metrics.response_bytes.inc(len(answer.body))
         return answer
+
+
+def _encoded_answer(plan: RolloutPlan, batch: RolloutBatch, accept: str, request: dict[str, Any]) -> tuple[bytes, str]:
+    """The answer's body and media type, as `accept` asks: the batch answer
+    (`rollout.rows.batch_answer`, `rollout.client`'s), or SGLang's rows, msgpack unless JSON is asked for."""
+    if BATCH_MSGPACK in accept:
+        return to_msgpack(batch_answer(plan, batch, **request)), BATCH_MSGPACK
+    if BATCH_JSON in accept:
+        return to_json(batch_answer(plan, batch, **request)), BATCH_JSON
+    rows = response_rows(plan, batch, **request)
+    if "application/json" in accept:
+        return to_json(rows), "application/json"
+    return to_msgpack(rows), MSGPACK
 
 
 def timing_headers(stages: StageTimes, total_s: float) -> dict[str, str]:

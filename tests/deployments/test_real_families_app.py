@@ -262,3 +262,22 @@ def test_the_schedule_survives_every_served_path(family, family_apps, serve_app,
         samples = [dataclasses.replace(s, schedule=from_row, latents=row["dit_trajectory"]["latents"]) for s, row in zip(batch.samples, rows)]
         replayed = replay_log_probs(local, from_row, batch.options, samples)
         assert torch.equal(replayed.log_probs, torch.stack([row["rollout_log_probs"] for row in rows])), accept
+
+
+def test_the_flow_grpo_example_trains_a_lora_through_the_client(family_apps, tiny_family_dirs, tmp_path):
+    """examples/flow_grpo.py on the tiny SD3 copy against its application (its PickScore scorer on a
+    tiny CLIP): every iteration's first replay on-policy to the bit, the rollouts sampled by the
+    adapter the trainer pushed before them, rewards logged. Last in this file: it leaves the
+    application serving the adapter."""
+    from examples import flow_grpo
+
+    _, url, _ = family_apps["sd3"]
+    steps = 3
+    argv = ["--model", str(tiny_family_dirs["sd3"]), "--url", url, "--iterations", "3", "--steps", str(steps)]
+    argv += ["--height", "32", "--width", "32", "--group-size", "2", "--minibatch", "4", "--lora-rank", "4"]
+    history = flow_grpo.main([*argv, "--lora-alpha", "8", "--learning-rate", "0.01", "--output", str(tmp_path)])
+    assert [h["rollout_weight_version"] for h in history] == ["flow-grpo-0", "flow-grpo-1", "flow-grpo-2"]
+    assert all(h["first_replay_abs_dlogp_per_step"] == [0.0] * steps for h in history)
+    assert all(torch.isfinite(torch.tensor([h["reward_mean"], h["kl"], h["policy_loss"]])).all() for h in history)
+    assert history[0]["kl"] == 0 and history[-1]["kl"] > 0  # the adapter moved away from the reference
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3

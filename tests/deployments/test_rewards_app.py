@@ -11,8 +11,10 @@ import requests
 from ray import serve
 
 from rollout.advantages import group_advantages
+from rollout.client import RolloutClient
 from rollout.scorers.base import ScoringSample
 from rollout.scorers.registry import build_scorer
+from rollout.testing.batches import assert_same_batch
 from tests.deployments.apps import deploy_ingress
 from tests.deployments.replicas import on_replicas
 from tests.deployments.scorer_plugins import FailingScorer
@@ -48,7 +50,7 @@ def direct(rows, kind, options=None):
     return build_scorer(kind, options).score(samples)
 
 
-def test_rows_carry_the_scorers_own_rewards_and_group_advantages_and_http_and_handle_agree(http, rewards_app):
+def test_rows_carry_the_scorers_own_rewards_and_group_advantages_and_http_the_client_and_handle_agree(http, rewards_app):
     rows = post(http, rewards_app.url, BODY)
     rewards = [row["rewards"]["slow"] for row in rows]
     assert rewards == direct(rows, "ink")  # same bits as the scorer on the returned images
@@ -58,6 +60,9 @@ def test_rows_carry_the_scorers_own_rewards_and_group_advantages_and_http_and_ha
     batch = rewards_app.handle.generate.remote(BODY).result().batch()
     assert [s.rewards for s in batch.samples] == [row["rewards"] for row in rows]
     assert [s.advantages for s in batch.samples] == [row["advantages"] for row in rows]
+    answer = RolloutClient(rewards_app.url).generate_answer(BODY)
+    assert_same_batch(batch, answer.batch)
+    assert answer.reward_time_s >= answer.reward_wait_s >= 0
 
 
 def test_a_failing_scorer_is_named_or_nulled_and_the_server_keeps_serving(http, rewards_app):

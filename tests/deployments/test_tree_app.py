@@ -6,11 +6,13 @@ fields a 400 naming it."""
 import pytest
 import torch
 
+from rollout.client import RolloutClient
 from rollout.cost import TransformerCost
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, resolve_options, sample_tree
+from rollout.testing.batches import assert_same_batch
 from rollout.tree import Branching, TreeRoot
 from tests.deployments.replicas import held_samplers
 from tests.deployments.test_http import post
@@ -31,9 +33,12 @@ TREE = {
 BRANCHING = Branching((2, 4), (2, 2))
 
 
-def test_rows_are_leaves_with_their_paths_and_seeds_and_http_and_handle_agree(http, base_url, handle):
+def test_rows_are_leaves_with_their_paths_and_seeds_and_http_the_client_and_handle_agree(http, base_url, handle):
     rows = post(http, base_url, TREE)
     batch = handle.generate.remote(TREE).result().batch()
+    received = RolloutClient(base_url).generate(TREE)
+    assert_same_batch(batch, received)
+    assert [(node.path, node.leaves) for node in received.tree()] == [(node.path, node.leaves) for node in batch.tree()]
     assert len(rows) == len(batch.samples) == 16
     # Per prompt, 2 roots of 4 leaves; sample seeds stay seed + i, as unbranched.
     assert [row["sample_seed"] for row in rows] == list(range(500, 516))

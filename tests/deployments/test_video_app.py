@@ -10,6 +10,7 @@ from ray import serve
 
 from deployments import job
 from deployments.app import build_app
+from rollout.client import RolloutClient
 from rollout.dataset import load_rollouts
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
@@ -17,6 +18,7 @@ from rollout.options import SamplingOptions
 from rollout.replay import replay_log_probs
 from rollout.rows import schedule_of_row
 from rollout.sampler import sample
+from rollout.testing.batches import assert_same_batch
 from rollout.video import frames_as_uint8
 from tests.deployments.apps import delete_side_by_side
 from tests.deployments.test_sglang_compat import generate
@@ -112,8 +114,8 @@ def test_http_video_rows_are_the_librarys_in_sglangs_layout(video_apps, layout, 
     assert info["experts"] == list(local.experts)
 
 
-def test_handle_video_rollouts_replay_exactly_across_the_expert_boundary(video_apps):
-    handle, _, local = video_apps["wan22_a14b"]
+def test_handle_video_rollouts_replay_exactly_across_the_expert_boundary_and_the_client_gets_the_same_bits(video_apps):
+    handle, url, local = video_apps["wan22_a14b"]
     body = {
         "prompt": ["a cat", "a dog"],
         "num_outputs_per_prompt": 2,
@@ -130,6 +132,7 @@ def test_handle_video_rollouts_replay_exactly_across_the_expert_boundary(video_a
     assert set(batch.schedule.model_experts.tolist()) == {0, 1}
     replayed = replay_log_probs(local, batch.schedule, batch.options, batch.samples)
     assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+    assert_same_batch(batch, RolloutClient(url).generate(body))  # the experts' schedule too
 
 
 def test_bad_frame_counts_are_400s_naming_the_field_and_the_server_keeps_serving(video_apps, serve_app, http):
@@ -229,3 +232,4 @@ def test_ltx_video_over_http_and_the_handle_is_the_librarys(video_apps, http):
     batch = handle.generate.remote(body).result().batch()
     replayed = replay_log_probs(local, batch.schedule, batch.options, batch.samples)
     assert torch.equal(replayed.log_probs, torch.stack([s.log_probs for s in batch.samples]))
+    assert_same_batch(batch, RolloutClient(url).generate(body))  # the experts' schedule too

@@ -29,7 +29,8 @@ from rollout.errors import InvalidRequestError, WeightUpdateError
 from rollout.models.digits import DEFAULT_WEIGHTS
 from rollout.models.registry import load_pipeline
 from rollout.replay import replay_log_probs, transition_log_probs
-from rollout.weight_sync import SharedMemorySender, WeightSender, handle_server, http_server, spec_lists, specs_of
+from rollout.client import RolloutClient
+from rollout.weight_sync import SharedMemorySender, WeightSender, handle_server, spec_lists, specs_of
 from rollout.weights import apply_update, tensor_update, weights_checksum
 from tests.ports import free_port
 
@@ -443,7 +444,7 @@ def test_replicas_follow_a_restarted_coordinator(app, base):
 
 
 def group_sender(app, via: str = "http", timeout_s: float = 30.0, bucket_bytes: int = 2**20) -> WeightSender:
-    server = http_server(app.url) if via == "http" else handle_server(app.handle)
+    server = RolloutClient(app.url).weight_route if via == "http" else handle_server(app.handle)
     return WeightSender(server, server_ranks=2, master_port=free_port(), timeout_s=timeout_s, bucket_bytes=bucket_bytes)
 
 
@@ -532,7 +533,7 @@ def test_a_step_that_changes_few_weights_goes_as_a_delta_and_every_replica_serve
     for tensor in list(step_2.values())[::3]:  # a step that changes a few elements of some tensors
         tensor.view(-1)[:5] += 1.0
     updated = with_update(base, step_2)
-    sender = WeightSender(http_server(app.url), server_ranks=2, master_port=free_port(), timeout_s=30, deltas=True)
+    sender = WeightSender(RolloutClient(app.url).weight_route, server_ranks=2, master_port=free_port(), timeout_s=30, deltas=True)
     try:
         first = sender.update(step_1, weight_version="delta-1")
         assert "made whole" not in first["message"]  # nothing to change from yet: sent whole
@@ -546,7 +547,7 @@ def test_a_step_that_changes_few_weights_goes_as_a_delta_and_every_replica_serve
 
 
 def test_a_delta_from_weights_no_longer_served_is_refused_before_it_is_sent(app, base):
-    sender = WeightSender(http_server(app.url), server_ranks=2, master_port=free_port(), timeout_s=30, deltas=True)
+    sender = WeightSender(RolloutClient(app.url).weight_route, server_ranks=2, master_port=free_port(), timeout_s=30, deltas=True)
     sender.update(perturbed(base, seed=18), weight_version="delta-base")
     app.handle.update_weights_from_disk.remote(str(app.root / "base"), weight_version="base").result()
     changed = perturbed(base, seed=18)
@@ -592,7 +593,7 @@ def test_a_colocated_trainers_shared_buckets_reach_every_replica_as_full_weights
     step_2 = {name: t.clone() for name, t in step_1.items()}
     for tensor in list(step_2.values())[::4]:
         tensor.view(-1)[:3] -= 0.5
-    sender = SharedMemorySender(http_server(app.url), bucket_bytes=64 * 2**10, deltas=True)
+    sender = SharedMemorySender(RolloutClient(app.url).weight_route, bucket_bytes=64 * 2**10, deltas=True)
     try:
         updated = with_update(base, step_1)
         first = sender.update(step_1, weight_version="shared-1", checksum=weights_checksum(updated.transformer))
