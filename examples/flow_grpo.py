@@ -1,6 +1,6 @@
 """Flow-GRPO on an SD3-family model, through the typed client: a trainer that needs no Ray.
 
-    make serve MODEL=/models/sd3.5-medium CONFIG=deployments/serve_config_rewards.yaml   # or any server
+    python -m deployments serve --config deployments/serve_config_rewards.yaml --model /models/sd3.5-medium
     python examples/flow_grpo.py --model /models/sd3.5-medium --url http://127.0.0.1:8000
 
 `--model` is the trainer's own copy of the served model (the same diffusers directory); the server

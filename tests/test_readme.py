@@ -66,10 +66,12 @@ START_TIMEOUT_S = 300.0  # a cold start took 40-100 s on the CI machine's 2 shar
 BLOCK_TIMEOUT_S = 300.0
 EXIT_TIMEOUT_S = 60.0
 SERVED_AT_LEAST_S = 60.0
+# Long enough to be in flight at the Ctrl-C however idle the machine (16 samples of 40 steps each
+# were once all done in time here, and the 503 went unchecked).
 LONG_REQUEST = {
     "prompt": ["1", "2"],
-    "num_outputs_per_prompt": 16,
-    "num_inference_steps": 40,
+    "num_outputs_per_prompt": 32,
+    "num_inference_steps": 80,
     "rollout_debug_mode": False,
 }
 # The output path the README's job writes to; moved aside while the test runs if a reader's run left it.

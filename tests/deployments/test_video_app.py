@@ -124,6 +124,7 @@ def test_handle_video_rollouts_replay_exactly_across_the_expert_boundary_and_the
         "width": WIDTH,
         "num_frames": FRAMES,
         "guidance_scale": 2.0,
+        "seed": 12,
         "rollout_return_dit_trajectory": True,
         "rollout_debug_mode": False,
     }
