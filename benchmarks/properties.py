@@ -192,6 +192,9 @@ def rollout_bodies(draw, space: RequestSpace) -> dict[str, Any]:
             factors.pop()
             branch_steps.pop()
         body["rollout_branch_steps"], body["rollout_branch_factors"] = branch_steps, factors
+        if draw(st.booleans()):  # BranchGRPO's split noise: a scale per branch step, the log-prob's std either way
+            body["rollout_branch_noise_scales"] = [draw(st.sampled_from([1, 0.5, 2, 4.0])) for _ in branch_steps]
+            body["rollout_branch_log_prob_std"] = draw(st.sampled_from(["scaled", "nominal"]))
         leaves = math.prod(factors)
     roots_per_prompt = draw(st.integers(1, max(1, MAX_SAMPLES // (leaves * len(prompts)))))
     body["num_outputs_per_prompt"] = leaves * roots_per_prompt
@@ -631,6 +634,10 @@ REGRESSIONS = (
     _regression(EMBEDDED_MODEL, {"prompt": "8", "seed": 11, "num_inference_steps": 6, "num_outputs_per_prompt": 8,
                                    "rollout_branch_steps": [0, 3], "rollout_branch_factors": [2, 2],
                                    "rollout_return_step_indices": [0, 1, 4, 6]}, companions=(("2", 3, Branching(), ()),)),
+    # Split noise of scale 1 with the nominal std: the tree read back from a dataset had the default std.
+    _regression(EMBEDDED_MODEL, {"prompt": "3", "seed": 0, "num_inference_steps": 1, "num_outputs_per_prompt": 2,
+                                   "rollout_branch_steps": [0], "rollout_branch_factors": [2],
+                                   "rollout_branch_noise_scales": [1], "rollout_branch_log_prob_std": "nominal"}),
     # A served LoRA under batch-invariant kernels: a sample sliced from a call kept the call's strides.
     _regression("sd3", {"prompt": ["a cat"], "seed": 0, "num_inference_steps": 2, "height": 32, "width": 32,
                         "num_outputs_per_prompt": 1, "rollout_return_step_indices": [0, 1, 2]},

@@ -46,7 +46,7 @@ from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import RolloutBatch, SampleTrajectory
-from rollout.tree import Branching
+from rollout.tree import Branching, BranchLogProbStd
 
 INDEX_FILE = "index.json"
 FORMAT_VERSION = 3
@@ -179,6 +179,8 @@ class RolloutDatasetWriter:
                 record.update(
                     branch_steps=list(branching.steps), branch_factors=list(branching.factors), branch_path=list(sample.branch_path)
                 )
+                if branching.noise_scales:  # replay needs them where the log-prob takes the scaled std
+                    record.update(branch_noise_scales=list(branching.noise_scales), branch_log_prob_std=branching.log_prob_std.value)
             for name in ("rewards", "advantages"):  # scored in the rollout (rollout/scorers)
                 if getattr(sample, name) is not None:
                     record[name] = getattr(sample, name)
@@ -405,7 +407,12 @@ def _branch_fields(record: dict[str, Any]) -> dict[str, Any]:
     """A tree leaf's `branching` and `branch_path` from its record; nothing for an unbranched sample."""
     if "branch_path" not in record:
         return {}
-    branching = Branching(tuple(record["branch_steps"]), tuple(record["branch_factors"]))
+    branching = Branching(
+        tuple(record["branch_steps"]),
+        tuple(record["branch_factors"]),
+        tuple(record.get("branch_noise_scales", ())),
+        record.get("branch_log_prob_std", BranchLogProbStd.SCALED),
+    )
     return {"branching": branching, "branch_path": branching.check_path(record["branch_path"])}
 
 

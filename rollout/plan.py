@@ -26,7 +26,16 @@ from rollout.options import MAX_SEED, SamplingOptions, check_seed
 from rollout.sampler import resolve_options
 from rollout.schema import RolloutRequest
 from rollout.transitions import LogProbForm, TransitionKind
-from rollout.tree import FACTORS_FIELD, STEPS_FIELD, Branching, TreeRoot, roots_of
+from rollout.tree import (
+    FACTORS_FIELD,
+    LOG_PROB_STD_FIELD,
+    NOISE_SCALES_FIELD,
+    STEPS_FIELD,
+    Branching,
+    BranchLogProbStd,
+    TreeRoot,
+    roots_of,
+)
 from rollout.weights import weight_version_problem
 
 if TYPE_CHECKING:
@@ -353,14 +362,18 @@ def _branching(request: RolloutRequest, options: SamplingOptions, max_batch_size
     """The request's tree, checked against its options, its outputs per prompt and the workers'
     batch (a root's leaves are sampled in one call)."""
     steps, factors = request.rollout_branch_steps, request.rollout_branch_factors
+    scales, log_prob_std = request.rollout_branch_noise_scales, request.rollout_branch_log_prob_std
     if steps is None and factors is None:
+        for field, value in ((NOISE_SCALES_FIELD, scales), (LOG_PROB_STD_FIELD, log_prob_std)):
+            if value is not None:
+                raise InvalidRequestError(field, f"needs {STEPS_FIELD}: it is about the noise of branch steps")
         return Branching()
     if steps is None or factors is None:
         given, missing = (STEPS_FIELD, FACTORS_FIELD) if factors is None else (FACTORS_FIELD, STEPS_FIELD)
         raise InvalidRequestError(missing, f"needed with {given}: one factor per branch step")
     if not request.rollout:
         raise InvalidRequestError(STEPS_FIELD, "branches need a rollout's stochastic steps; this request has rollout: false")
-    branching = Branching(tuple(steps), tuple(factors))
+    branching = Branching(tuple(steps), tuple(factors), tuple(scales or ()), log_prob_std or BranchLogProbStd.SCALED)
     branching.check(options)
     per_root = branching.leaves_per_root
     if request.outputs_per_prompt % per_root:

@@ -157,6 +157,7 @@ def replayed_transitions(
             x_next=x_next,
             log_prob_form=options.log_prob_form,
             held=held,
+            log_prob_std_scales=[sample.branching.log_prob_std_scale_at(step) for sample in samples],
         )
         transitions.append(transition)
     if not transitions:

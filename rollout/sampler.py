@@ -431,7 +431,14 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
             x_t, v = x_t[parent.to(x_t.device)], v[parent.to(v.device)]
             padded_conditioning, held = run.taken_by(pipeline, nodes)
         kind = options.transition_at(step)
-        noise = _draw_noise([node.generator for node in nodes], run.latent_shape, device) if kind.draws_noise else None
+        noise, log_prob_std_scales = None, None
+        if kind.draws_noise:
+            noise = _draw_noise([node.generator for node in nodes], run.latent_shape, device)
+            if step in run.branch_steps:  # each child's own draw, times its branch step's noise scale
+                branchings = [run.roots[node.root].branching for node in nodes]
+                scales = torch.tensor([b.noise_scale_at(step) for b in branchings], dtype=noise.dtype, device=device)
+                noise = noise * scales.view(-1, *[1] * (noise.ndim - 1))
+                log_prob_std_scales = [b.log_prob_std_scale_at(step) for b in branchings]
         transition = take_step(
             kind,
             x_t,
@@ -443,6 +450,7 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
             noise=noise,
             log_prob_form=options.log_prob_form,
             held=held,
+            log_prob_std_scales=log_prob_std_scales,
         )
         x_t = transition.x_next
         _keep(epoch, step + 1, x_t)

@@ -105,6 +105,16 @@ class RolloutRequest(BaseModel):
         description="(extension) Children per node at each branch step, each >= 2; num_outputs_per_prompt is a "
         "multiple of their product (the roots per prompt).",
     )
+    rollout_branch_noise_scales: Items[float] | None = Field(
+        None,
+        description="(extension) Per branch step, the factor on the noise each child draws there (BranchGRPO's "
+        "tree_split_noise_scale). Default: 1 at each.",
+    )
+    rollout_branch_log_prob_std: str | None = Field(
+        None,
+        description="(extension) The std in the log-prob of a scaled branch step: scaled (the std the noise was "
+        "drawn with, default) or nominal (the step's own, BranchGRPO's: off-policy where the scale is not 1).",
+    )
     guidance_scale_2: float | None = Field(
         None,
         description="(extension, as in miles' extra_sampling_params) The low-noise expert's guidance scale of a "

@@ -43,7 +43,9 @@ class StepDebug:
         model_outputs: `(T, ...)` velocity used at each step, after guidance.
         prev_sample_means: `(T, ...)` mean of the transition at each step.
         noise_std_devs: `(T,)` std of x_next around the mean (0 on deterministic steps).
-        variance_noises: `(T, ...)` the standard-normal draws (zeros where a step drew none).
+        variance_noises: `(T, ...)` the standard-normal draws (zeros where a step drew none; times
+            the noise scale at a tree's scaled branch step: `rollout.tree.Branching.noise_scales`),
+            so that x_{i+1} = mean + noise_std * variance_noise at every step.
     """
 
     model_outputs: torch.Tensor
@@ -212,7 +214,12 @@ class RolloutBatch:
         samples = [
             {
                 **{name: getattr(s, name) for name in _WIRE_PLAIN_FIELDS},
-                "branching": {"steps": list(s.branching.steps), "factors": list(s.branching.factors)},
+                "branching": {
+                    "steps": list(s.branching.steps),
+                    "factors": list(s.branching.factors),
+                    "noise_scales": list(s.branching.noise_scales),
+                    "log_prob_std": s.branching.log_prob_std.value,
+                },
                 "branch_path": list(s.branch_path),
                 "denoising_env": share("denoising_env", s.denoising_env),
                 "condition_images": share("condition_images", s.condition_images),
@@ -249,7 +256,7 @@ class RolloutBatch:
             plain = [
                 {
                     **{name: fields[name] for name in _WIRE_PLAIN_FIELDS},
-                    "branching": Branching(**fields["branching"]),
+                    "branching": Branching(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields["branching"].items()}),
                     "branch_path": tuple(fields["branch_path"]),
                     "denoising_env": None if fields["denoising_env"] is None else envs[fields["denoising_env"]],
                     "condition_images": () if fields["condition_images"] is None else images[fields["condition_images"]],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -193,12 +194,17 @@ def take_step(
     x_next: torch.Tensor | None = None,
     log_prob_form: LogProbForm = LogProbForm.GAUSSIAN,
     held: HeldFrames | None = None,
+    log_prob_std_scales: Sequence[float] | None = None,
 ) -> Transition:
-    """Samples x_next from standard-normal `noise`, or scores a given `x_next`: pass exactly one.
+    """Samples x_next from `noise` (standard normal, or scaled where a tree's branch step scales
+    its children's noise), or scores a given `x_next`: pass exactly one.
 
     An ODE step takes neither: it is deterministic. The log-prob is always computed from x_next
     (never from the noise), so sampling and scoring the same x_next give the same bits. `held`
     frames replace x_next's (a given x_next already holds them) and leave its log-prob.
+    `log_prob_std_scales`, one per row: the factor on the std in each row's log-prob (a branch
+    step's scaled noise, `rollout.tree.Branching.log_prob_std_scale_at`); rows of factor 1 are
+    scored with the step's std, as without it, so a row's bits do not depend on its neighbours'.
     """
     mean, std = transition_distribution(kind, x_t, v, sigma, sigma_next, eta, sigma_after_one)
     if kind.draws_noise and (noise is None) == (x_next is None):
@@ -208,4 +214,8 @@ def take_step(
     if held is not None:
         x_next = held.hold(x_next)
     log_prob = gaussian_log_prob(x_next, mean, std, log_prob_form, held)
+    for scale in sorted(set(log_prob_std_scales or ()) - {1.0}):
+        rows = torch.tensor([k for k, s in enumerate(log_prob_std_scales) if s == scale], device=x_next.device)
+        held_rows = None if held is None else held.select(rows)
+        log_prob[rows] = gaussian_log_prob(x_next[rows], mean[rows], std * scale, log_prob_form, held_rows)
     return Transition(x_next=x_next.float(), mean=mean, noise_std=std, log_prob=log_prob)

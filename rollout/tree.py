@@ -33,6 +33,7 @@ is computed once for all its children). For one branch into 16 at step 4 of 10 s
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -46,6 +47,18 @@ if TYPE_CHECKING:
 
 STEPS_FIELD = "rollout_branch_steps"
 FACTORS_FIELD = "rollout_branch_factors"
+NOISE_SCALES_FIELD = "rollout_branch_noise_scales"
+LOG_PROB_STD_FIELD = "rollout_branch_log_prob_std"
+# The largest noise scale of a branch step: BranchGRPO's scripts use 4; past this a child's latents
+# are noise, not an exploration around its parent's mean.
+MAX_NOISE_SCALE = 100.0
+
+
+class BranchLogProbStd(str, enum.Enum):
+    """The std in the log-prob of a branch step whose noise is scaled (`Branching.noise_scales`)."""
+
+    SCALED = "scaled"  # the std the children's noise was drawn with: the log-prob of what was sampled
+    NOMINAL = "nominal"  # the step's own std, unscaled (BranchGRPO's): off-policy where the scale is not 1
 
 
 @dataclass(frozen=True)
@@ -55,10 +68,15 @@ class Branching:
     Attributes:
         steps: the branch steps, strictly increasing (absolute step indices).
         factors: children per node at each branch step, each >= 2.
+        noise_scales: per branch step, the factor on the noise each child draws there (BranchGRPO's
+            `tree_split_noise_scale`, Dynamic-TreeRPO's per-layer noise levels); () for 1 at each.
+        log_prob_std: the std the log-prob of a scaled branch step takes (`BranchLogProbStd`).
     """
 
     steps: tuple[int, ...] = ()
     factors: tuple[int, ...] = ()
+    noise_scales: tuple[float, ...] = ()
+    log_prob_std: BranchLogProbStd = BranchLogProbStd.SCALED
 
     def __post_init__(self):
         for field, values in ((STEPS_FIELD, self.steps), (FACTORS_FIELD, self.factors)):
@@ -77,6 +95,41 @@ class Branching:
             raise InvalidRequestError(STEPS_FIELD, f"must be strictly increasing steps >= 0, got {list(self.steps)}")
         if any(factor < 2 for factor in self.factors):
             raise InvalidRequestError(FACTORS_FIELD, f"each must be >= 2, got {list(self.factors)}")
+        self._check_noise_scales()
+
+    def _check_noise_scales(self) -> None:
+        scales = self.noise_scales
+        if isinstance(scales, (str, bytes)) or not hasattr(scales, "__iter__"):
+            raise InvalidRequestError(NOISE_SCALES_FIELD, f"must be a list of numbers, got {short_repr(scales)}")
+        scales = tuple(scales)
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_NOISE_SCALE for v in scales):
+            raise InvalidRequestError(NOISE_SCALES_FIELD, f"each must be a number in (0, {MAX_NOISE_SCALE}], got {short_repr(list(scales))}")
+        if scales and len(scales) != len(self.steps):
+            raise InvalidRequestError(
+                NOISE_SCALES_FIELD, f"needs one scale per branch step: {len(scales)} scales for {len(self.steps)} steps"
+            )
+        try:
+            log_prob_std = BranchLogProbStd(self.log_prob_std)
+        except ValueError:
+            choices = [member.value for member in BranchLogProbStd]
+            raise InvalidRequestError(LOG_PROB_STD_FIELD, f"must be one of {choices}, got {short_repr(self.log_prob_std)}") from None
+        # All ones is no scaling, whichever std the log-prob would take: one value for it, so that
+        # equal trees compare equal (a dataset records the fields only where a scale is not 1).
+        if all(v == 1 for v in scales):
+            scales, log_prob_std = (), BranchLogProbStd.SCALED
+        object.__setattr__(self, "noise_scales", tuple(float(v) for v in scales))
+        object.__setattr__(self, "log_prob_std", log_prob_std)
+
+    def noise_scale_at(self, step: int) -> float:
+        """The factor on the noise a child draws at `step` (1 where `step` is not a branch step)."""
+        if not self.noise_scales or step not in self.steps:
+            return 1.0
+        return self.noise_scales[self.steps.index(step)]
+
+    def log_prob_std_scale_at(self, step: int) -> float:
+        """The factor on the step's std in the log-prob of a transition at `step`: its noise scale
+        where the log-prob takes the scaled std, else 1."""
+        return self.noise_scale_at(step) if self.log_prob_std is BranchLogProbStd.SCALED else 1.0
 
     def __bool__(self) -> bool:
         return bool(self.steps)

@@ -13,11 +13,13 @@ from rollout.errors import InvalidRequestError
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
+from rollout.plan import RequestLimits, plan_rollout
 from rollout.replay import replay_log_probs
 from rollout.sampler import micro_batch_size, resolve_options, sample, sample_tree
+from rollout.schema import parse_request
 from rollout.tree import Branching, TreeRoot
 from rollout.transitions import TransitionKind
-from tests.test_transitions import reference_log_prob, reference_step
+from tests.test_transitions import assert_mean_close, dance_grpo_flux_step, reference_log_prob, reference_step
 
 STEPS = 6
 OPTIONS = SamplingOptions(num_inference_steps=STEPS, debug=True)
@@ -233,3 +235,61 @@ def test_a_branch_at_step_0_keeps_one_latent_per_step_each_the_one_sampled(rando
     for leaf in (batch.samples[0], batch.samples[-1]):
         (alone,) = grow(random_pipeline, [TreeRoot.of_leaf(leaf)], options).batch.samples
         assert_same_leaf(alone, leaf)
+
+
+@pytest.mark.parametrize("log_prob_std", ["nominal", "scaled"])
+def test_branchgrpos_split_noise_with_the_chosen_std_in_the_log_prob(random_pipeline, log_prob_std):
+    """BranchGRPO's `flux_step_with_split` (DanceGRPO's step; at a split each child draws
+    `randn * split_noise_scale` and its log-prob keeps the step's own std) against the server's leaves,
+    in float64: x_{s+1} from the debug tensors, the scaled noise at split steps, the log-prob with
+    the nominal std, or with the scaled one where the request asks for it; replay exact either way."""
+    steps, eta, splits = 10, 0.3, (0, 3, 6)  # its 8-GPU script: splits at 0, 3, 6, 9 of 20, factor 2, scale 4
+    options = SamplingOptions(num_inference_steps=steps, sde_type=TransitionKind.DANCE, noise_level=eta, debug=True)
+    scaled = grow(random_pipeline, [TreeRoot("7", "", 40, Branching(splits, (2, 2, 2), (4, 4, 4), log_prob_std))], options).batch
+    unscaled = grow(random_pipeline, [TreeRoot("7", "", 40, Branching(splits, (2, 2, 2)))], options).batch
+    sigmas = scaled.schedule.sigmas.double().numpy()
+    for leaf, twin in zip(scaled.samples, unscaled.samples):
+        debug = leaf.debug
+        for step in range(steps):
+            scale = 4.0 if step in splits else 1.0
+            # The same draws, times the scale at a split: a child's noise is its own, only larger.
+            assert torch.equal(debug.variance_noises[step], scale * twin.debug.variance_noises[step])
+            x, x_next = leaf.latents[step].double().numpy()[None], leaf.latents[step + 1].double().numpy()[None]
+            v = debug.model_outputs[step].double().numpy()[None]
+            mean, std, log_prob = dance_grpo_flux_step(v, x, eta, sigmas, step, x_next)
+            assert_mean_close("dance", debug.prev_sample_means[step].numpy()[None], mean, x, v, sigmas[step], sigmas[step + 1], eta)
+            assert debug.noise_std_devs[step].item() == pytest.approx(std, rel=1e-6)  # the nominal std
+            drawn = debug.variance_noises[step].double().numpy()[None]  # randn * split_noise_scale
+            assert_mean_close("dance", x_next, mean + drawn * std, x, v, sigmas[step], sigmas[step + 1], eta)
+            if log_prob_std == "scaled":
+                log_prob = reference_log_prob(x_next, mean, std * scale, "gaussian")
+            np.testing.assert_allclose(leaf.log_probs[step].item(), log_prob[0], rtol=1e-4, atol=1e-4)
+    replayed = replay_log_probs(random_pipeline, scaled.schedule, scaled.options, scaled.samples)
+    assert torch.equal(replayed.log_probs, torch.stack([leaf.log_probs for leaf in scaled.samples]))
+
+
+@pytest.mark.parametrize(
+    "arguments, field, reason",
+    [
+        ({"noise_scales": (4.0, 4.0)}, "rollout_branch_noise_scales", "one scale per branch step: 2 scales for 1 steps"),
+        ({"noise_scales": (0.0,)}, "rollout_branch_noise_scales", "each must be a number in (0, 100.0]"),
+        ({"noise_scales": (float("nan"),)}, "rollout_branch_noise_scales", "each must be a number in (0, 100.0]"),
+        ({"noise_scales": (1e9,)}, "rollout_branch_noise_scales", "each must be a number in (0, 100.0]"),
+        ({"noise_scales": "4"}, "rollout_branch_noise_scales", "must be a list of numbers"),
+        ({"noise_scales": (4.0,), "log_prob_std": "wide"}, "rollout_branch_log_prob_std", "must be one of ['scaled', 'nominal']"),
+    ],
+)
+def test_bad_noise_scales_name_the_field(arguments, field, reason):
+    with pytest.raises(InvalidRequestError) as caught:
+        Branching((2,), (2,), **arguments)
+    assert caught.value.field == field and reason in caught.value.reason
+
+
+@pytest.mark.parametrize("field, value", [("rollout_branch_noise_scales", [4.0]), ("rollout_branch_log_prob_std", "nominal")])
+def test_noise_fields_without_branch_steps_are_refused_by_name(field, value):
+    with pytest.raises(InvalidRequestError, match="needs rollout_branch_steps") as caught:
+        plan_rollout(parse_request({"prompt": "3", field: value}), RequestLimits())
+    assert caught.value.field == field
+    request = {"prompt": "3", "num_outputs_per_prompt": 2, "rollout_branch_steps": [1], "rollout_branch_factors": [2], field: value}
+    branching = plan_rollout(parse_request(request), RequestLimits()).branching
+    assert branching.noise_scale_at(1) == (4.0 if field == "rollout_branch_noise_scales" else 1.0)
