@@ -21,7 +21,7 @@ from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import pad_buckets, predict_velocity
 from rollout.schedule import ScheduleSnapshot
-from rollout.trajectory import SampleTrajectory
+from rollout.trajectory import RolloutBatch, SampleTrajectory, TreeNode
 from rollout.transitions import take_step
 
 
@@ -168,6 +168,32 @@ def replayed_transitions(
         torch.stack([t.mean for t in transitions], dim=1),
         torch.stack([t.noise_std.reshape(()) for t in transitions]),
     )
+
+
+def node_transition_log_probs(
+    pipeline: RolloutPipeline,
+    batch: RolloutBatch,
+    nodes: Sequence[TreeNode],
+    steps: Sequence[int] | None = None,
+) -> list[torch.Tensor]:
+    """Each node's log-probs of the transitions it owns (`TreeNode.steps`, those among `steps` when
+    given), `(k,)` per node, in order: every edge of a tree replayed once, as BranchGRPO trains,
+    rather than once per leaf below it. Differentiable as `transition_log_probs`, and equal to the
+    rollout's log-probs bit for bit with its weights: a node's transitions are computed from its
+    first leaf's latents (x_i of a child's first step is its parent's, which every leaf below holds),
+    nodes of equal steps in one call. `nodes` come from `batch.tree()`."""
+    wanted = None if steps is None else set(steps)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for k, node in enumerate(nodes):
+        owned = tuple(step for step in node.steps if wanted is None or step in wanted)
+        groups.setdefault(owned, []).append(k)
+    replayed: list[torch.Tensor | None] = [None] * len(nodes)
+    for owned, members in groups.items():
+        leaves = [batch.samples[nodes[k].leaves[0]] for k in members]
+        log_probs = transition_log_probs(pipeline, batch.schedule, batch.options, leaves, owned)
+        for row, k in enumerate(members):
+            replayed[k] = log_probs[row]
+    return replayed
 
 
 def _kept_steps(samples: Sequence[SampleTrajectory]) -> torch.Tensor:

@@ -14,7 +14,8 @@ from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.plan import RequestLimits, plan_rollout
-from rollout.replay import replay_log_probs
+import rollout.replay as replay_module
+from rollout.replay import node_transition_log_probs, replay_log_probs
 from rollout.sampler import micro_batch_size, resolve_options, sample, sample_tree
 from rollout.schema import parse_request
 from rollout.tree import Branching, TreeRoot
@@ -293,3 +294,27 @@ def test_noise_fields_without_branch_steps_are_refused_by_name(field, value):
     request = {"prompt": "3", "num_outputs_per_prompt": 2, "rollout_branch_steps": [1], "rollout_branch_factors": [2], field: value}
     branching = plan_rollout(parse_request(request), RequestLimits()).branching
     assert branching.noise_scale_at(1) == (4.0 if field == "rollout_branch_noise_scales" else 1.0)
+
+
+def test_a_trainer_replays_each_edge_of_a_tree_once_to_the_bit(random_pipeline, monkeypatch):
+    """`node_transition_log_probs`: each node's own transitions, computed once for the whole tree
+    (BranchGRPO trains every parent-to-child edge once), equal to the rollout's; optionally only
+    the steps a trainer trains."""
+    roots = [TreeRoot("8", "", 70, TWO_LEVELS), TreeRoot("2", "", 90, TWO_LEVELS)]
+    batch = grow(random_pipeline, roots).batch
+    nodes = batch.tree()
+    replayed_steps = []
+    original = replay_module.transition_log_probs
+
+    def counted(pipeline, schedule, options, samples, steps):
+        replayed_steps.append(len(samples) * len(steps))
+        return original(pipeline, schedule, options, samples, steps)
+
+    monkeypatch.setattr(replay_module, "transition_log_probs", counted)
+    per_node = node_transition_log_probs(random_pipeline, batch, nodes)
+    for node, log_probs in zip(nodes, per_node):
+        assert torch.equal(log_probs, node.tensors["log_probs"])
+    # 2 roots x (2 steps + 3 children x 2 + 6 grandchildren x 2) = 40 transitions, not 12 leaves x 6 = 72.
+    assert sum(replayed_steps) == sum(len(node.steps) for node in nodes) == 40
+    window = node_transition_log_probs(random_pipeline, batch, nodes, steps=[2, 3])
+    assert [len(log_probs) for log_probs in window] == [0 if not node.path else 2 if len(node.path) == 1 else 0 for node in nodes]
