@@ -638,6 +638,14 @@ REGRESSIONS = (
     _regression(EMBEDDED_MODEL, {"prompt": "3", "seed": 0, "num_inference_steps": 1, "num_outputs_per_prompt": 2,
                                    "rollout_branch_steps": [0], "rollout_branch_factors": [2],
                                    "rollout_branch_noise_scales": [1], "rollout_branch_log_prob_std": "nominal"}),
+    # A served LoRA on Wan at 1 frame: the second sample of a padded call of 2 got other bits than
+    # alone. Once open, it holds with the dependencies a fresh setup installed on
+    # 2026-12-07 (diffusers 0.42.1, peft 0.21.2, transformers 5.25.0, torch 2.13.0), which changed
+    # nothing of ours (ddaa002, where it was open, passes with them too): the cause is unknown;
+    # kept, to catch its return.
+    _regression("wan21", {"prompt": ["a cat", "a cat"], "seed": 0, "num_inference_steps": 1, "height": 16, "width": 16,
+                        "num_frames": 1, "rollout_noise_level": 0.0, "num_outputs_per_prompt": 1},
+                lora=True, micro_batch_size=2, chunk_size=1),
     # A served LoRA under batch-invariant kernels: a sample sliced from a call kept the call's strides.
     _regression("sd3", {"prompt": ["a cat"], "seed": 0, "num_inference_steps": 2, "height": 32, "width": 32,
                         "num_outputs_per_prompt": 1, "rollout_return_step_indices": [0, 1, 2]},
@@ -646,13 +654,7 @@ REGRESSIONS = (
 
 # Counterexamples whose defect is still open: each still breaks a guarantee (the suite holds it so
 # with a strict xfail, which fails the day the defect is fixed, so it moves to REGRESSIONS).
-OPEN_COUNTEREXAMPLES = (
-    # A served LoRA on Wan at 1 frame: the second sample of a padded call of 2 gets other bits than
-    # alone. The worker's start-up check runs before any LoRA, at the default frame count.
-    _regression("wan21", {"prompt": ["a cat", "a cat"], "seed": 0, "num_inference_steps": 1, "height": 16, "width": 16,
-                        "num_frames": 1, "rollout_noise_level": 0.0, "num_outputs_per_prompt": 1},
-                lora=True, micro_batch_size=2, chunk_size=1),
-)
+OPEN_COUNTEREXAMPLES: tuple[Case, ...] = ()
 
 
 def run(examples: int, hypothesis_seed: int, copies: tuple[str, ...]) -> dict[str, Any]:

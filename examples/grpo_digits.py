@@ -4,6 +4,7 @@
     ray job submit --working-dir . -- python examples/grpo_digits.py --app-name rollout
     python examples/grpo_digits.py --window-start 4 --sde-window 2 --branch      # tree rollouts
     python examples/grpo_digits.py --window-start 4 --sde-window 2 --compare-branch
+    python examples/grpo_digits.py --algorithm branchgrpo                           # BranchGRPO's recipe
 
 Each iteration:
 1. rollouts: one request of `--prompts` digits x `--group-size` samples, stochastic on the
@@ -22,6 +23,12 @@ Each iteration:
    rebuilt); the first step's ratio must be exactly 1;
 5. the new weights to every replica: the LoRA adapter's tensors (default) or the full
    transformer (`--full-weights`), through the object store.
+`--algorithm branchgrpo` is BranchGRPO's recipe instead (`train_branchgrpo_flux.py`, at the digits
+model's 10 steps): one tree a prompt, DanceGRPO's SDE (eta 0.3) on every step, splits at steps
+0, 3 and 6 (its 0, 3, 6, 9 of 20) into 2 children each, the children's noise scaled by
+`--split-noise-scale` (its 4) with the nominal std in their log-probs; a node's reward is the mean
+of its leaves', advantages are z-scored per depth over the tree, and every edge of the tree is
+trained once (`rollout.replay.node_transition_log_probs`), not once per leaf below it.
 Writes `metrics.jsonl` and `reward_curve.png` to `--output`; `--compare-branch` trains unbranched,
 then branched, from the same start, and plots both rewards against wall time
 (`reward_vs_wall_time.png`).
@@ -43,9 +50,14 @@ from peft.utils import get_peft_model_state_dict
 from deployments.client import get_or_deploy_app, push_weights
 from rollout.models.digits import digit_prompt
 from rollout.models.registry import load_pipeline
-from rollout.replay import transition_log_probs
+from rollout.replay import node_transition_log_probs, transition_log_probs
+from rollout.trajectory import RolloutBatch, TreeNode
 
 LORA_LAYERS = ["to_q", "to_k", "to_v", "to_out.0"]
+ALGORITHMS = ("flow-grpo", "branchgrpo")
+# BranchGRPO's splits (0, 3, 6, 9 of 20 steps) at the digits model's 10: 2 x 2 x 2 = 8 leaves a root.
+BRANCHGRPO_SPLITS = [0, 3, 6]
+BRANCHGRPO_ETA = 0.3  # DanceGRPO's, which BranchGRPO keeps
 
 
 @dataclass
@@ -65,6 +77,8 @@ class GRPOConfig:
     lora_rank: int = 8
     full_weights: bool = False
     seed: int = 0
+    algorithm: str = "flow-grpo"
+    split_noise_scale: float = 4.0
 
 
 class Trainer:
@@ -119,6 +133,65 @@ class Trainer:
                 steps += 1
         return {"first_step_max_abs_dlogp": first_step_error, "optimizer_steps": steps}
 
+    def step_tree(self, batch: RolloutBatch, nodes: list[TreeNode], advantages: list[float]) -> dict:
+        """BranchGRPO's update: clipped policy-gradient steps on every edge of the trees, each once,
+        with its node's advantage; the first step's max |new - old| log-prob."""
+        config = self.config
+        old = [node.tensors["log_probs"] for node in nodes]
+        first_step_error = None
+        for _ in range(config.inner_epochs):
+            new = node_transition_log_probs(self.pipeline, batch, nodes)
+            if first_step_error is None:
+                first_step_error = max((n.detach() - o).abs().max().item() for n, o in zip(new, old) if len(o))
+            terms = []
+            for node_new, node_old, advantage in zip(new, old, advantages):
+                ratio = torch.exp(node_new - node_old)
+                clipped = ratio.clamp(1 - config.clip_range, 1 + config.clip_range)
+                terms.append(torch.maximum(-advantage * ratio, -advantage * clipped))
+            loss = torch.cat(terms).mean()
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+        return {"first_step_max_abs_dlogp": first_step_error, "optimizer_steps": config.inner_epochs}
+
+
+def per_depth_advantages(nodes: list[TreeNode], rewards: torch.Tensor) -> list[float]:
+    """BranchGRPO's advantages: a node's reward is the mean of its leaves', z-scored among the nodes
+    of its depth in its tree (cousins included); a depth of one node (the root) gets 0."""
+    node_rewards = [rewards[list(node.leaves)].mean().item() for node in nodes]
+    levels: dict[tuple[int, int], list[int]] = {}
+    for k, node in enumerate(nodes):
+        levels.setdefault((node.root, len(node.path)), []).append(k)
+    advantages = [0.0] * len(nodes)
+    for members in levels.values():
+        values = torch.tensor([node_rewards[k] for k in members])
+        if len(members) > 1:
+            normalised = (values - values.mean()) / (values.std() + 1e-8)
+            for k, value in zip(members, normalised.tolist()):
+                advantages[k] = value
+    return advantages
+
+
+def rollout_fields(config: GRPOConfig, window: list[int]) -> dict:
+    """The request's sampling fields for `config.algorithm`."""
+    if config.algorithm == "branchgrpo":
+        return {
+            "rollout_sde_type": "dance",
+            "rollout_noise_level": BRANCHGRPO_ETA,
+            "rollout_branch_steps": BRANCHGRPO_SPLITS,
+            "rollout_branch_factors": [2] * len(BRANCHGRPO_SPLITS),
+            "rollout_branch_noise_scales": [config.split_noise_scale] * len(BRANCHGRPO_SPLITS),
+            "rollout_branch_log_prob_std": "nominal",
+        }
+    fields = {
+        "rollout_noise_level": config.noise_level,
+        "rollout_sde_step_indices": window,
+        "rollout_return_step_indices": [*window, window[-1] + 1],  # x_i and x_(i+1) of each step trained
+    }
+    if config.branch:  # one root a prompt, forked into its group at the window's first step
+        fields.update(rollout_branch_steps=[window[0]], rollout_branch_factors=[config.group_size])
+    return fields
+
 
 def train(handle, config: GRPOConfig, log=print) -> list[dict]:
     """Runs the loop against the application behind `handle`; one metrics dict per iteration."""
@@ -136,16 +209,12 @@ def train(handle, config: GRPOConfig, log=print) -> list[dict]:
             "num_outputs_per_prompt": config.group_size,
             "num_inference_steps": config.steps,
             "seed": config.seed + iteration * config.prompts * config.group_size,
-            "rollout_noise_level": config.noise_level,
-            "rollout_sde_step_indices": window,
-            "rollout_return_step_indices": [*window, window[-1] + 1],  # x_i and x_(i+1) of each step trained
             "rollout_debug_mode": False,
             "weight_version": version,
             "rollout_reward_models": ["ink", "digits"],
             "rollout_advantages": "group",
+            **rollout_fields(config, window),
         }
-        if config.branch:  # one root a prompt, forked into its group at the window's first step
-            request.update(rollout_branch_steps=[window[0]], rollout_branch_factors=[config.group_size])
         fetched = handle.generate.remote(request).result().fetch()
         batch = fetched.batch()
         rollout_s = time.perf_counter() - started
@@ -155,7 +224,12 @@ def train(handle, config: GRPOConfig, log=print) -> list[dict]:
         digit_probability = sum(s.rewards["digits"] for s in batch.samples) / len(batch.samples)
 
         started = time.perf_counter()
-        update = trainer.step(batch, advantages, window)
+        if config.algorithm == "branchgrpo":
+            nodes = batch.tree()
+            update = trainer.step_tree(batch, nodes, per_depth_advantages(nodes, rewards))
+            update["transitions_trained"] = sum(len(node.steps) for node in nodes)  # each edge once
+        else:
+            update = trainer.step(batch, advantages, window)
         train_s = time.perf_counter() - started
 
         started = time.perf_counter()
@@ -182,7 +256,7 @@ def train(handle, config: GRPOConfig, log=print) -> list[dict]:
     return history
 
 
-def plot(history: list[dict], path: Path) -> None:
+def plot(history: list[dict], path: Path, title: str = "Flow-GRPO") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,7 +272,7 @@ def plot(history: list[dict], path: Path) -> None:
     guard_axis.set_ylabel("classifier's probability of the digit", color="tab:orange")
     guard_axis.set_ylim(0, 1.05)
     guard_axis.axhline(0.9, color="tab:orange", linestyle=":", linewidth=1)
-    figure.suptitle("Flow-GRPO on the embedded digits model")
+    figure.suptitle(f"{title} on the embedded digits model")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -242,6 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     args = vars(parser.parse_args(argv))
     app_name, output, compare = args.pop("app_name"), args.pop("output"), args.pop("compare_branch")
     config = GRPOConfig(**args)
+    if config.algorithm not in ALGORITHMS:
+        parser.error(f"--algorithm must be one of {list(ALGORITHMS)}, got {config.algorithm!r}")
+    if config.algorithm == "branchgrpo" and config.group_size != 2 ** len(BRANCHGRPO_SPLITS):
+        parser.error(f"--algorithm branchgrpo grows one tree of {2 ** len(BRANCHGRPO_SPLITS)} leaves a prompt: --group-size must be that")
 
     ray.init(log_to_driver=False)  # in a job: the cluster's; run as a script: a new local one
     handle = get_or_deploy_app(app_name, {"worker_torch_threads": 1})
@@ -253,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(run_output / "metrics.jsonl", "w") as metrics:
             log = lambda line: (print(line, flush=True), metrics.write(line + "\n"))  # noqa: E731
             histories[label] = history = train(handle, run_config, log=log)
-        plot(history, run_output / "reward_curve.png")
+        plot(history, run_output / "reward_curve.png", "BranchGRPO" if config.algorithm == "branchgrpo" else "Flow-GRPO")
         print(f"{label or 'run'}: reward {history[0]['reward']} -> {history[-1]['reward']}; curve in {run_output / 'reward_curve.png'}")
     if compare:
         plot_against_wall_time(histories, output / "reward_vs_wall_time.png")
