@@ -135,24 +135,34 @@ class Trainer:
 
     def step_tree(self, batch: RolloutBatch, nodes: list[TreeNode], advantages: list[float]) -> dict:
         """BranchGRPO's update: clipped policy-gradient steps on every edge of the trees, each once,
-        with its node's advantage; the first step's max |new - old| log-prob."""
+        with its node's advantage, `--minibatch` leaves' worth of trees a step; the first step's
+        max |new - old| log-prob."""
         config = self.config
-        old = [node.tensors["log_probs"] for node in nodes]
-        first_step_error = None
+        by_root: dict[int, list[int]] = {}
+        for k, node in enumerate(nodes):
+            by_root.setdefault(node.root, []).append(k)
+        trees = list(by_root.values())
+        trees_per_step = max(1, config.minibatch // len(nodes[trees[0][0]].leaves))
+        first_step_error, steps = None, 0
         for _ in range(config.inner_epochs):
-            new = node_transition_log_probs(self.pipeline, batch, nodes)
-            if first_step_error is None:
-                first_step_error = max((n.detach() - o).abs().max().item() for n, o in zip(new, old) if len(o))
-            terms = []
-            for node_new, node_old, advantage in zip(new, old, advantages):
-                ratio = torch.exp(node_new - node_old)
-                clipped = ratio.clamp(1 - config.clip_range, 1 + config.clip_range)
-                terms.append(torch.maximum(-advantage * ratio, -advantage * clipped))
-            loss = torch.cat(terms).mean()
-            self.optimizer.zero_grad()
-            loss.backward()
-            self.optimizer.step()
-        return {"first_step_max_abs_dlogp": first_step_error, "optimizer_steps": config.inner_epochs}
+            order = torch.randperm(len(trees)).tolist()
+            for start in range(0, len(trees), trees_per_step):
+                chosen = [k for t in order[start : start + trees_per_step] for k in trees[t]]
+                new = node_transition_log_probs(self.pipeline, batch, [nodes[k] for k in chosen])
+                old = [nodes[k].tensors["log_probs"] for k in chosen]
+                if first_step_error is None:
+                    first_step_error = max((n.detach() - o).abs().max().item() for n, o in zip(new, old) if len(o))
+                terms = []
+                for node_new, node_old, k in zip(new, old, chosen):
+                    ratio = torch.exp(node_new - node_old)
+                    clipped = ratio.clamp(1 - config.clip_range, 1 + config.clip_range)
+                    terms.append(torch.maximum(-advantages[k] * ratio, -advantages[k] * clipped))
+                loss = torch.cat(terms).mean()
+                self.optimizer.zero_grad()
+                loss.backward()
+                self.optimizer.step()
+                steps += 1
+        return {"first_step_max_abs_dlogp": first_step_error, "optimizer_steps": steps}
 
 
 def per_depth_advantages(nodes: list[TreeNode], rewards: torch.Tensor) -> list[float]:
@@ -182,6 +192,7 @@ def rollout_fields(config: GRPOConfig, window: list[int]) -> dict:
             "rollout_branch_factors": [2] * len(BRANCHGRPO_SPLITS),
             "rollout_branch_noise_scales": [config.split_noise_scale] * len(BRANCHGRPO_SPLITS),
             "rollout_branch_log_prob_std": "nominal",
+            "rollout_return_dit_trajectory": True,  # every latent: every edge is trained
         }
     fields = {
         "rollout_noise_level": config.noise_level,

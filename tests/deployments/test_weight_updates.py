@@ -417,6 +417,19 @@ def test_the_grpo_example_trains_on_policy_from_tree_rollouts(app):
     assert [m["first_step_max_abs_dlogp"] for m in history] == [0.0] and history[0]["optimizer_steps"] == 2
 
 
+def test_the_branchgrpo_recipe_trains_each_edge_once_on_policy(app):
+    """`--algorithm branchgrpo`: DanceGRPO's SDE, split noise 4 with the nominal std, per-depth
+    advantages, every edge of a tree trained once; the first replay is the rollout's to the bit."""
+    from examples.grpo_digits import BRANCHGRPO_SPLITS, GRPOConfig, train
+
+    config = GRPOConfig(iterations=2, prompts=2, group_size=8, steps=8, algorithm="branchgrpo", minibatch=8)
+    history = train(app.handle, config, log=lambda line: None)
+    assert [m["first_step_max_abs_dlogp"] for m in history] == [0.0, 0.0]
+    assert all(m["optimizer_steps"] == 2 for m in history)  # a tree a step
+    # Per tree: 2 children own steps 0..2, 4 own 3..5, 8 own 6..7: 6 + 12 + 16, not 8 leaves x 8 steps.
+    assert BRANCHGRPO_SPLITS == [0, 3, 6] and all(m["transitions_trained"] == 2 * (6 + 12 + 16) for m in history)
+
+
 def test_replicas_follow_a_restarted_coordinator(app, base):
     """The coordinator's replica dies: Serve restarts it, the worker replicas register with the
     new one, and updates reach all of them again."""
