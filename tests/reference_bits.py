@@ -13,8 +13,11 @@ ISA, and MKL's kernels (its vector math too) by vendor at the same ISA: held to 
 GenuineIntel Xeon (AVX512, AMX) gave the same code's library rollouts other bits than the
 AuthenticAMD digests, in 3 to 7 fields each, down to the SDE's noise standard deviations (scalar
 math, 1 ULP), where an AMD EPYC with AVX512 held to AVX2 matched every one (2026-12-04). Recorded:
-"AVX2 AuthenticAMD" (every test's) and "AVX2 GenuineIntel" (the library's). A test whose kernel
-set has no digest for its key skips, naming the kernel sets that have one.
+"AVX2 AuthenticAMD" (every test's), "AVX2 GenuineIntel" (the library's) and "AVX512 AuthenticAMD"
+(the served tests', on an AMD machine with AVX512 not held to AVX2: 2026-12-07, after the AVX2
+digests, held to AVX2 there, had shown the code's bits unchanged but for `request_cost`, which a
+change of the cost model had moved, and FLUX.1's app, whose sizes its fixture had changed). A test
+whose kernel set has no digest for its key skips, naming the kernel sets that have one.
 
 A CPU with more than AVX2 runs the AVX2 kernels when torch, MKL and oneDNN are held to it
 (`AVX2_HOLD`; `ATEN_CPU_CAPABILITY` alone does not do: MKL's matmuls keep AVX512); not one
