@@ -470,6 +470,15 @@ def check_steps_against_the_formulas(body: dict[str, Any], full: RolloutBatch, h
                 # by that much (500x at sigma 0.001, the embedded model's last step of two), in its code
                 # as here.
                 scale = scale * (1 + 0.5 * eta**2 * (sigmas[step] - sigmas[step + 1]) / sigmas[step] ** 2)
+            elif kind == "cps":
+                # The mean's sqrt(sigma_next^2 - std^2), std = sigma_next sin(eta pi / 2), is near eta 1 a
+                # difference of near-equal squares: fp32's rounding of them (a few ulps of sigma_next^2)
+                # moves the root by up to sqrt(root^2 + 4 ulp) - root, times the noise estimate (in
+                # CPS's code as here); negligible elsewhere (2e-7 at eta 0.7).
+                s_next = sigmas[step + 1]
+                root = math.sqrt(max(s_next**2 - std**2, 0.0))
+                moved = math.sqrt(root**2 + 4 * 2.0**-24 * s_next**2) - root
+                scale = scale + moved * np.abs(x + (1 - sigmas[step]) * v) / 1e-5
             mean_error = float((np.abs(debug.prev_sample_means[step].double().numpy() - mean) / scale).max())
             expect(mean_error < 1e-5, f"{where}: the mean is off the formula by {mean_error:.2e} (relative)")
             taken = debug.prev_sample_means[step] + debug.noise_std_devs[step] * debug.variance_noises[step]
@@ -477,7 +486,8 @@ def check_steps_against_the_formulas(body: dict[str, Any], full: RolloutBatch, h
             if kind == "ode":  # draws no noise (a stochastic step of std 0, CPS's last, still draws one)
                 expect(bool((debug.variance_noises[step] == 0).all()), f"{where}: an ode step records noise")
             mean_taken = debug.prev_sample_means[step].double().numpy()
-            expected, rounding = reference_log_prob(latents[step + 1][sampled], mean_taken[sampled], returned_std, form)
+            log_prob_std = returned_std * sample.branching.log_prob_std_scale_at(step)  # a scaled split's, or the step's
+            expected, rounding = reference_log_prob(latents[step + 1][sampled], mean_taken[sampled], log_prob_std, form)
             got = float(sample.log_probs[step])
             tolerance = 1e-5 * (1 + abs(expected)) + 8 * rounding
             expect(abs(got - expected) <= tolerance, f"{where}: log-prob {got} != {expected} (+- {tolerance:.1e})")
@@ -638,6 +648,17 @@ REGRESSIONS = (
     _regression(EMBEDDED_MODEL, {"prompt": "3", "seed": 0, "num_inference_steps": 1, "num_outputs_per_prompt": 2,
                                    "rollout_branch_steps": [0], "rollout_branch_factors": [2],
                                    "rollout_branch_noise_scales": [1], "rollout_branch_log_prob_std": "nominal"}),
+    # CPS at eta 0.99999: the mean's sqrt of a difference of near-equal squares, within fp32's rounding
+    # of them, was held to a relative 1e-5 (the check's tolerance, not the step, was wrong).
+    _regression("sd3", {"prompt": ["a cat"], "seed": MAX_SEED, "num_inference_steps": 4, "rollout_sde_type": "cps",
+                        "rollout_noise_level": 0.99999, "rollout_debug_mode": False, "num_outputs_per_prompt": 1},
+                micro_batch_size=1, chunk_size=1),
+    # Split noise scaled by 0.5 with the scaled std: the check scored it with the step's own std.
+    _regression("ltx", {"prompt": ["a cat"], "seed": 0, "num_inference_steps": 2, "height": 32, "width": 32, "num_frames": 9,
+                        "rollout_noise_level": 1.0, "rollout_debug_mode": False, "rollout_branch_steps": [0, 1],
+                        "rollout_branch_factors": [2, 2], "rollout_branch_noise_scales": [1, 0.5],
+                        "rollout_branch_log_prob_std": "scaled", "num_outputs_per_prompt": 4},
+                micro_batch_size=1, chunk_size=1),
     # A served LoRA on Wan at 1 frame: the second sample of a padded call of 2 got other bits than
     # alone. Once open, it holds with the dependencies a fresh setup installed on
     # 2026-12-07 (diffusers 0.42.1, peft 0.21.2, transformers 5.25.0, torch 2.13.0), which changed
