@@ -30,7 +30,7 @@ import requests
 import torch
 
 from rollout.codec import MSGPACK, from_json, from_msgpack, to_json, to_msgpack
-from rollout.errors import MAX_REASON_CHARS, InvalidRequestError, RolloutError, WeightUpdateError, clip
+from rollout.errors import MAX_REASON_CHARS, CodecError, InvalidRequestError, RolloutError, WeightUpdateError, clip
 from rollout.rows import BATCH_JSON, BATCH_MSGPACK
 from rollout.trajectory import RolloutBatch
 from rollout.weight_sync import BUCKET_BYTES, SharedMemorySender, WeightSender
@@ -140,6 +140,8 @@ class RolloutClient:
         response, attempts = self._post("rollout/generate", dict(request), accept)
         decode = from_msgpack if self.encoding == "msgpack" else from_json
         answer = decode(response.content)
+        if not isinstance(answer, dict):
+            raise CodecError(f"a batch answer is a map, got {type(answer).__name__}: is {self.url} this server?")
         fields = {name: answer.get(name) for name in _REQUEST_FIELDS}
         stages = json.loads(response.headers.get("x-sgld-stages") or "{}")
         return RolloutAnswer(RolloutBatch.from_wire(answer.get("batch")), **fields, stages_ms=stages, attempts=attempts)

@@ -11,7 +11,7 @@ import pytest
 
 from rollout.client import RequestRefusedError, RolloutClient, ServerError
 from rollout.codec import MSGPACK, from_msgpack, to_msgpack
-from rollout.errors import InvalidRequestError, WeightUpdateError
+from rollout.errors import CodecError, InvalidRequestError, WeightUpdateError
 from rollout.options import SamplingOptions
 from rollout.rows import BATCH_MSGPACK
 from rollout.sampler import sample
@@ -124,3 +124,12 @@ def test_a_refused_weight_update_is_a_weight_update_error_with_the_servers_reaso
     with pytest.raises(WeightUpdateError, match="update_weights_from_disk: no weight named x"):
         RolloutClient(server.url).update_weights_from_disk("/models/step-3")
     assert from_msgpack(server.received[0][2])["model_path"] == "/models/step-3"
+
+
+def test_an_answer_that_is_not_a_batch_is_a_codec_error(scripted):
+    rows = to_msgpack([{"prompt": "4"}])  # SGLang's rows, from a server that ignored the Accept header
+    server = scripted((200, {"Content-Type": MSGPACK}, rows), (200, {"Content-Type": MSGPACK}, to_msgpack({"batch": []})))
+    with pytest.raises(CodecError, match="a batch answer is a map, got list"):
+        RolloutClient(server.url).generate({"prompt": ["4"]})
+    with pytest.raises(CodecError, match="not a rollout batch of format"):
+        RolloutClient(server.url).generate({"prompt": ["4"]})
