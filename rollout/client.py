@@ -19,6 +19,7 @@ naming the field, `WeightUpdateError` from a weight route, `ServerError` for the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import json
 import time
@@ -248,17 +249,8 @@ class RolloutClient:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-# The batch answer's fields of the whole request (`rollout.rows.request_fields`).
-_REQUEST_FIELDS = (
-    "request_id",
-    "inference_time_s",
-    "peak_memory_mb",
-    "transformer_rows",
-    "transformer_rows_unbranched",
-    "request_cost",
-    "reward_time_s",
-    "reward_wait_s",
-)
+# The batch answer's fields of the whole request (`rollout.rows.request_fields`), as `RolloutAnswer` names them.
+_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutAnswer) if f.name not in ("batch", "stages_ms", "attempts"))
 
 
 def _listed(values: Sequence[str] | None) -> list[str] | None:

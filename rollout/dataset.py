@@ -93,13 +93,6 @@ class DatasetExistsError(RolloutError, FileExistsError):
     """The directory holds a dataset already; a writer continues it only when told to (`resume=True`)."""
 
 
-def _options_to_json(options: SamplingOptions) -> dict[str, Any]:
-    fields = dataclasses.asdict(options)
-    fields["sde_type"] = options.sde_type.value
-    fields["log_prob_form"] = options.log_prob_form.value
-    return fields
-
-
 class RolloutDatasetWriter:
     """Writes batches as shards into `directory`, and its index at once and after each shard.
 
@@ -165,7 +158,7 @@ class RolloutDatasetWriter:
                 "num_samples": len(samples),
                 "model": batch.model,
                 "weight_versions": versions,
-                "options": _options_to_json(batch.options),
+                "options": batch.options.to_plain(),
             }
         )
         records = sample_records or [{} for _ in samples]

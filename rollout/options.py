@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from rollout.errors import InvalidRequestError, short_repr
 from rollout.transitions import LogProbForm, TransitionKind
@@ -80,6 +83,12 @@ class SamplingOptions:
             self, "return_step_indices", _check_step_indices("rollout_return_step_indices", self.return_step_indices, steps)
         )
 
+    def to_plain(self) -> dict[str, Any]:
+        """The options in JSON's and msgpack's types (enums by value, tuples as lists), field by
+        field: what a dataset's index and the batch answer hold; `SamplingOptions(**plain)` reads
+        them back, checked as any options are."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
     def for_encoding(self) -> "SamplingOptions":
         """What a prompt's or an input image's encoding may read of these options: the output's size,
         frames and frame rate (a text padded to a bucket of the image's tokens, text ids laid out
@@ -120,6 +129,12 @@ class SamplingOptions:
     def kept_bytes_per_sample(self, latent_shape: tuple[int, ...]) -> int:
         """The total of `kept_tensor_bytes`: the tensors one sample returns, as the worker holds them."""
         return sum(self.kept_tensor_bytes(latent_shape))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _check_finite_non_negative(field: str, value) -> float:

@@ -20,7 +20,6 @@ joined from its path's nodes.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -229,7 +228,7 @@ class RolloutBatch:
         wire = {
             "format": WIRE_FORMAT,
             "model": self.model,
-            "options": _options_to_wire(self.options),
+            "options": self.options.to_plain(),
             "schedule": {f.name: getattr(self.schedule, f.name) for f in dataclasses.fields(ScheduleSnapshot)},
             "samples": samples,
             "denoising_envs": [env for _, env in shared["denoising_env"].values()],
@@ -362,19 +361,12 @@ WIRE_FORMAT = "rollout-batch/1"
 _WIRE_PLAIN_FIELDS = ("prompt", "negative_prompt", "seed", "weight_version", "rewards", "advantages")
 
 
-def _options_to_wire(options: SamplingOptions) -> dict[str, Any]:
-    def plain(value):
-        return value.value if isinstance(value, enum.Enum) else list(value) if isinstance(value, tuple) else value
-
-    return {f.name: plain(getattr(options, f.name)) for f in dataclasses.fields(SamplingOptions)}
-
-
 def _options_from_wire(fields: dict[str, Any]) -> SamplingOptions:
-    """`SamplingOptions` from `_options_to_wire`'s map, checked as any options are."""
+    """`SamplingOptions` from `SamplingOptions.to_plain`'s map, checked as any options are."""
     unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(SamplingOptions)})
     if unknown:
         raise CodecError(f"rollout batch: options {short_repr(unknown)} are not SamplingOptions' fields")
-    return SamplingOptions(**{name: tuple(v) if isinstance(v, list) else v for name, v in fields.items()})
+    return SamplingOptions(**fields)
 
 
 def _tensors_to_wire(stacked: dict[str, np.ndarray | list[torch.Tensor]]) -> dict[str, torch.Tensor | list[torch.Tensor]]:
