@@ -102,12 +102,12 @@ class Branching:
         if isinstance(scales, (str, bytes)) or not hasattr(scales, "__iter__"):
             raise InvalidRequestError(NOISE_SCALES_FIELD, f"must be a list of numbers, got {short_repr(scales)}")
         scales = tuple(scales)
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_NOISE_SCALE for v in scales):
-            raise InvalidRequestError(NOISE_SCALES_FIELD, f"each must be a number in (0, {MAX_NOISE_SCALE}], got {short_repr(list(scales))}")
-        if scales and len(scales) != len(self.steps):
+        if scales and len(scales) != len(self.steps):  # by its length first: a long list is refused unread
             raise InvalidRequestError(
                 NOISE_SCALES_FIELD, f"needs one scale per branch step: {len(scales)} scales for {len(self.steps)} steps"
             )
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_NOISE_SCALE for v in scales):
+            raise InvalidRequestError(NOISE_SCALES_FIELD, f"each must be a number in (0, {MAX_NOISE_SCALE}], got {short_repr(list(scales))}")
         try:
             log_prob_std = BranchLogProbStd(self.log_prob_std)
         except ValueError:
