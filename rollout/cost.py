@@ -56,7 +56,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from rollout.models.base import ConditionImageRule, NegativeBranchRule, RolloutPipeline
+from rollout.models.base import ConditionImageRule, ImageSizeLimits, NegativeBranchRule, RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.sampler import micro_batch_size, resolve_options
 from rollout.tree import Branching, TreeRoot, roots_of
@@ -86,6 +86,8 @@ class CostFacts:
             image model. (Every video family served takes one latent frame a token along time.)
         negative_branch: when classifier-free guidance's negative branch runs.
         condition_images: the input images a prompt takes, and the tokens each adds at most.
+        image_size_limits: the heights and widths the model can make, so that the ingress refuses
+            any other before it counts the request in flight (any size, for facts made by hand).
         model: the model's name, for the errors that name it.
     """
 
@@ -97,6 +99,7 @@ class CostFacts:
     frames_per_latent: int
     negative_branch: NegativeBranchRule
     condition_images: ConditionImageRule = ConditionImageRule()
+    image_size_limits: ImageSizeLimits = ImageSizeLimits(multiple=1)
     model: str = "the served model"
 
     @classmethod
@@ -110,12 +113,13 @@ class CostFacts:
             pipeline.frames_per_latent,
             pipeline.negative_branch,
             pipeline.condition_images,
+            pipeline.image_size_limits,
             pipeline.name,
         )
 
     def tokens_per_sample(self, height: int, width: int, num_frames: int) -> int:
         """The transformer tokens of one sample: latent frames x token rows x token columns
-        (rounded up: a size the model cannot make is refused by the worker, not costed low)."""
+        (rounded up: facts made by hand know no size limits, and cost a size not made high, not low)."""
         latent_frames = math.ceil((num_frames - 1) / self.frames_per_latent) + 1
         return latent_frames * self._token_grid(height, width)
 

@@ -238,9 +238,10 @@ def checked_cost(plan: RolloutPlan, facts: CostFacts, limits: RequestLimits) -> 
     """The plan's cost in token-steps, by the served model's `facts`; `InvalidRequestError` naming
     the fields that drive it if it is over `limits.max_request_cost`. The ingress calls it right
     after `plan_rollout`, once it has the facts from a worker replica. Input images the model does
-    not take are refused here too, before anything is sent (`InvalidRequestError` naming ``image_path``)."""
-    num_frames = facts.default_num_frames if plan.options.num_frames is None else plan.options.num_frames
-    facts.condition_images.check(_per_prompt(plan.images, plan.num_outputs_per_prompt), facts.model, num_frames)
+    not take, and heights or widths it cannot make, are refused here too, before anything is sent
+    or counted in flight (`InvalidRequestError` naming ``image_path``, ``height`` or ``width``)."""
+    options = resolve_options(facts, plan.options)  # type: ignore[arg-type]  # the facts carry the defaults
+    facts.condition_images.check(_per_prompt(plan.images, plan.num_outputs_per_prompt), facts.model, options.num_frames)
     cost = facts.request_cost(plan.roots(), plan.options)
     if cost.token_steps > limits.max_request_cost:
         frames = ", num_frames" if facts.default_num_frames > 1 else ""
@@ -250,6 +251,7 @@ def checked_cost(plan: RolloutPlan, facts: CostFacts, limits: RequestLimits) -> 
             f"({limits.max_request_cost:,}): ask for fewer samples, a smaller size{' or fewer frames' if frames else ''}, "
             "or fewer steps",
         )
+    facts.image_size_limits.check(options.height, options.width, facts.model)
     return cost
 
 

@@ -35,6 +35,7 @@ from rollout.errors import (
 from rollout.cost import CostFacts, RequestCost
 from rollout.models.base import NegativeBranchRule
 from rollout.models.digits import parse_digit_prompt
+from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
 from rollout.plan import RequestLimits, checked_cost, plan_rollout
 from rollout.sampler import sample
@@ -217,6 +218,21 @@ def test_a_request_over_its_cost_limit_is_refused_at_once_naming_what_drives_it(
     with pytest.raises(InvalidRequestError) as caught:  # a video model names its frames too
         checked_cost(plan({"prompt": "a cat", "num_outputs_per_prompt": 64, "num_inference_steps": 50}), wan, LIMITS)
     assert caught.value.field == "num_outputs_per_prompt, height, width, num_frames, num_inference_steps"
+
+
+def test_a_size_the_model_cannot_make_is_refused_with_the_cost_before_anything_is_sent(tiny_family_dirs):
+    """Refused by the model's own limits at the ingress, not by a worker after the request was
+    counted in flight (stop 59's CI: the cost of a refused 1024 px request outlived its 400)."""
+    sd3 = CostFacts.of(load_pipeline(None, tiny_family_dirs["sd3"], device="cpu"))  # its positions stop at 512 px
+    for field, size, reason in (
+        ("height", {"height": 1024, "width": 32}, "must be at most 512 for model 'sd3' (its transformer's pos_embed_max_size"),
+        ("width", {"height": 32, "width": 40}, "must be a multiple of 16 for model 'sd3', got 40"),
+    ):
+        with pytest.raises(InvalidRequestError) as caught:
+            checked_cost(plan({"prompt": "a cat", **size}), sd3, LIMITS)
+        assert caught.value.field == field and reason in caught.value.reason
+    assert checked_cost(plan({"prompt": "a cat", "height": 512, "width": 32}), sd3, LIMITS).token_steps > 0
+
 
 def test_values_at_the_limits_are_accepted():
     options = plan({"prompt": "7", "guidance_scale": 100.0, "true_cfg_scale": 100.0, "rollout_noise_level": 2.0}).options

@@ -121,8 +121,9 @@ def test_costs_add_up():
 def test_a_requests_token_steps_count_tokens_branches_steps_a_trees_nodes_and_the_decode(embedded_pipeline):
     facts = CostFacts.of(embedded_pipeline)
     assert facts == CostFacts(
-        16, 16, 1, 2.0, 2, 1, NegativeBranchRule("cfg_scale", also_below_one=True), ConditionImageRule(), "embedded-digits"
-    )
+        16, 16, 1, 2.0, 2, 1, NegativeBranchRule("cfg_scale", also_below_one=True), ConditionImageRule(),
+        embedded_pipeline.image_size_limits, "embedded-digits",
+    )  # fmt: skip
     plain = [TreeRoot(str(i), "", i) for i in range(3)]
     # 64 tokens (16x16 pixels, 2 a side of a token) x 2 branches (the default guidance, 2.0) x the
     # steps, and the decode: 64 a sample.

@@ -200,6 +200,7 @@ def test_a_size_past_the_models_limit_is_a_400_naming_it_and_info_shows_it(famil
     assert error["field"] == "height"
     assert "must be at most 512 for model 'sd3' (its transformer's pos_embed_max_size 32 x patch 2" in error["message"]
     info = http.get(f"{url}/rollout/info").json()
+    assert info["cost_in_flight"] == 0  # refused before it was counted: the next request is not turned away
     assert info["image_size_limits"] == local.image_size_limits.describe()
     assert info["image_size_limits"]["max_size"] == 512 and info["limits"]["max_image_size"] == 4096
     assert info["max_image_size"] == 512
