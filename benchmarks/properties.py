@@ -135,6 +135,25 @@ def stochastic_kind(body: dict[str, Any], step: int) -> str:
     return body.get("rollout_sde_type", "sde")
 
 
+def is_comb(body: dict[str, Any]) -> bool:
+    return body.get("rollout_branch_shape") == "comb"
+
+
+def sample_kind(body: dict[str, Any], path: tuple[int, ...], step: int) -> str:
+    """The transition the leaf at `path` took at `step`, as the request's fields define it: the
+    request's, but in a comb only a child's step at its branch step, every other step an ODE step."""
+    if not is_comb(body):
+        return stochastic_kind(body, step)
+    if path and path[-1] != 0 and step == body["rollout_branch_steps"][len(path) - 1]:
+        return stochastic_kind(body, step)
+    return "ode"
+
+
+def leaves_per_root(body: dict[str, Any]) -> int:
+    factors = body.get("rollout_branch_factors", [])
+    return 1 + sum(factors) if is_comb(body) else math.prod(factors)
+
+
 @st.composite
 def rollout_bodies(draw, space: RequestSpace) -> dict[str, Any]:
     """A valid `/rollout/generate` body from a model's part of the request space."""
@@ -187,15 +206,18 @@ def rollout_bodies(draw, space: RequestSpace) -> dict[str, Any]:
     branchable = [step for step in range(steps) if _can_branch(body, step, steps)]
     if branchable and draw(st.sampled_from([True, True, False])):
         branch_steps = sorted(draw(st.sets(st.sampled_from(branchable), min_size=1, max_size=min(3, len(branchable)))))
-        factors = [draw(st.integers(2, 3)) for _ in branch_steps]
-        while math.prod(factors) > MAX_SAMPLES:
+        comb = draw(st.sampled_from([False, False, True]))  # TempFlow-GRPO's comb: an ODE spine and its children
+        if comb:
+            body["rollout_branch_shape"] = "comb"
+        factors = [draw(st.integers(1, 3) if comb else st.integers(2, 3)) for _ in branch_steps]
+        while leaves_per_root({**body, "rollout_branch_factors": factors}) > MAX_SAMPLES:
             factors.pop()
             branch_steps.pop()
         body["rollout_branch_steps"], body["rollout_branch_factors"] = branch_steps, factors
         if draw(st.booleans()):  # BranchGRPO's split noise: a scale per branch step, the log-prob's std either way
             body["rollout_branch_noise_scales"] = [draw(st.sampled_from([1, 0.5, 2, 4.0])) for _ in branch_steps]
             body["rollout_branch_log_prob_std"] = draw(st.sampled_from(["scaled", "nominal"]))
-        leaves = math.prod(factors)
+        leaves = leaves_per_root(body)
     roots_per_prompt = draw(st.integers(1, max(1, MAX_SAMPLES // (leaves * len(prompts)))))
     body["num_outputs_per_prompt"] = leaves * roots_per_prompt
     samples = len(prompts) * body["num_outputs_per_prompt"]
@@ -239,8 +261,8 @@ def cases(draw, copies: tuple[str, ...] = tuple(COPIES)) -> Case:
     for _ in range(draw(st.integers(0, 2))):
         # Companions share the request's options (a call samples one set), not its tree.
         branching = Branching()
-        if "rollout_branch_steps" in body and draw(st.booleans()):
-            branching = Branching((body["rollout_branch_steps"][0],), (2,))
+        if "rollout_branch_steps" in body and draw(st.booleans()):  # a tree or a comb, whichever the request is
+            branching = Branching((body["rollout_branch_steps"][0],), (2,), shape=draw(st.sampled_from(["tree", "comb"])))
         image_size = _image_size(draw, space)
         images = () if image_size is None else (_decoded_image(*image_size, draw(st.integers(0, 2**16))),)
         companions.append((draw(st.sampled_from(space.prompts)), draw(st.integers(0, 2**32)), branching, images))
@@ -457,12 +479,14 @@ def check_steps_against_the_formulas(body: dict[str, Any], full: RolloutBatch, h
             for k, kept in enumerate(sample.latents):
                 expect(torch.equal(kept[:, :frames], held_frames_of_sample), f"sample seed {sample.seed}: latent {k} lets its held frames go")
         for step in range(len(sigmas) - 1):
-            kind = stochastic_kind(body, step)
+            kind = sample_kind(body, sample.branch_path, step)
             where = f"sample seed {sample.seed} path {sample.branch_path}, step {step} ({kind})"
             x, v = latents[step], debug.model_outputs[step].double().numpy()
             mean, std = reference_transition(kind, x, v, sigmas[step], sigmas[step + 1], eta, sigmas[1])
+            # The debug std is the request's step's, whichever step this sample took (a comb's ODE rows).
+            _, request_std = reference_transition(stochastic_kind(body, step), x, v, sigmas[step], sigmas[step + 1], eta, sigmas[1])
             returned_std = float(debug.noise_std_devs[step])
-            expect(math.isclose(returned_std, std, rel_tol=1e-5, abs_tol=1e-7), f"{where}: std {returned_std} != {std}")
+            expect(math.isclose(returned_std, request_std, rel_tol=1e-5, abs_tol=1e-7), f"{where}: std {returned_std} != {request_std}")
             scale = 1 + np.abs(x) + np.abs(v)
             if kind == "dance":
                 # DanceGRPO's score divides x_t - x0_hat (1 - sigma), a difference of near-equal terms,
@@ -486,7 +510,8 @@ def check_steps_against_the_formulas(body: dict[str, Any], full: RolloutBatch, h
             if kind == "ode":  # draws no noise (a stochastic step of std 0, CPS's last, still draws one)
                 expect(bool((debug.variance_noises[step] == 0).all()), f"{where}: an ode step records noise")
             mean_taken = debug.prev_sample_means[step].double().numpy()
-            log_prob_std = returned_std * sample.branching.log_prob_std_scale_at(step)  # a scaled split's, or the step's
+            took_the_requests = kind == stochastic_kind(body, step)  # then its std is the one returned
+            log_prob_std = (returned_std if took_the_requests else std) * sample.branching.log_prob_std_scale_at(step)
             expected, rounding = reference_log_prob(latents[step + 1][sampled], mean_taken[sampled], log_prob_std, form)
             got = float(sample.log_probs[step])
             tolerance = 1e-5 * (1 + abs(expected)) + 8 * rounding
@@ -585,7 +610,7 @@ def check_tree(body: dict[str, Any], full: RolloutBatch, steps: int) -> None:
     for leaf in full.samples:
         roots.setdefault((leaf.prompt, leaf.negative_prompt, leaf.root_seed), []).append(leaf)
     for leaves in roots.values():
-        expect(len(leaves) == math.prod(body.get("rollout_branch_factors", [])), "a root lacks leaves")
+        expect(len(leaves) == leaves_per_root(body), "a root lacks leaves")
         for i, a in enumerate(leaves):
             for b in leaves[i + 1 :]:
                 depth = next(d for d, (p, q) in enumerate(zip(a.branch_path, b.branch_path)) if p != q)
@@ -612,7 +637,10 @@ def check_cost(case: Case, served: Served) -> None:
 
     branch_steps, factors = case.body.get("rollout_branch_steps", []), case.body.get("rollout_branch_factors", [])
     steps = served.options.num_inference_steps
-    live = [math.prod(f for b, f in zip(branch_steps, factors) if b < step) for step in range(steps)]
+    if is_comb(case.body):  # the spine, and the children of every branch step before s
+        live = [1 + sum(f for b, f in zip(branch_steps, factors) if b < step) for step in range(steps)]
+    else:
+        live = [math.prod(f for b, f in zip(branch_steps, factors) if b < step) for step in range(steps)]
     expected = sum(padded(len(served.roots) * nodes) for nodes in live)
     told = transformer_cost(pipeline, served.roots, served.options)
     expect(told.transformer_rows_unbranched == steps * padded(len(served.batch.samples)), "transformer_rows_unbranched")
@@ -691,7 +719,7 @@ def run(examples: int, hypothesis_seed: int, copies: tuple[str, ...]) -> dict[st
     @given(cases(copies))
     def generated(case: Case) -> None:
         check_case(case)
-        key = case.copy + (" tree" if "rollout_branch_steps" in case.body else "")
+        key = case.copy + (f" {case.body.get('rollout_branch_shape', 'tree')}" if "rollout_branch_steps" in case.body else "")
         counts[key] = counts.get(key, 0) + 1
         done = sum(counts.values())
         if done % 100 == 0:

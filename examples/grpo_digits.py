@@ -5,6 +5,7 @@
     python examples/grpo_digits.py --window-start 4 --sde-window 2 --branch      # tree rollouts
     python examples/grpo_digits.py --window-start 4 --sde-window 2 --compare-branch
     python examples/grpo_digits.py --algorithm branchgrpo                           # BranchGRPO's recipe
+    python examples/grpo_digits.py --algorithm tempflow --group-size 3              # TempFlow-GRPO's
 
 Each iteration:
 1. rollouts: one request of `--prompts` digits x `--group-size` samples, stochastic on the
@@ -29,6 +30,11 @@ model's 10 steps): one tree a prompt, DanceGRPO's SDE (eta 0.3) on every step, s
 `--split-noise-scale` (its 4) with the nominal std in their log-probs; a node's reward is the mean
 of its leaves', advantages are z-scored per depth over the tree, and every edge of the tree is
 trained once (`rollout.replay.node_transition_log_probs`), not once per leaf below it.
+`--algorithm tempflow` is TempFlow-GRPO's: one comb a prompt (`rollout_branch_shape: "comb"`), its
+spine sampled by ODE, and at steps 0, 2, 4 and 6 `--group-size` children, each one Flow-GRPO SDE
+step from the spine and an ODE tail; a step's children are a group (their rewards z-scored among
+them), only their stochastic step is trained, and each step's loss is weighted by its noise std
+over the mean of those of the steps trained (TempFlow-GRPO's noise-aware weighting, in that form).
 Writes `metrics.jsonl` and `reward_curve.png` to `--output`; `--compare-branch` trains unbranched,
 then branched, from the same start, and plots both rewards against wall time
 (`reward_vs_wall_time.png`).
@@ -52,12 +58,17 @@ from rollout.models.digits import digit_prompt
 from rollout.models.registry import load_pipeline
 from rollout.replay import node_transition_log_probs, transition_log_probs
 from rollout.trajectory import RolloutBatch, TreeNode
+from rollout.transitions import noise_std_of
 
 LORA_LAYERS = ["to_q", "to_k", "to_v", "to_out.0"]
-ALGORITHMS = ("flow-grpo", "branchgrpo")
+ALGORITHMS = ("flow-grpo", "branchgrpo", "tempflow")
+TITLES = {"flow-grpo": "Flow-GRPO", "branchgrpo": "BranchGRPO", "tempflow": "TempFlow-GRPO"}
 # BranchGRPO's splits (0, 3, 6, 9 of 20 steps) at the digits model's 10: 2 x 2 x 2 = 8 leaves a root.
 BRANCHGRPO_SPLITS = [0, 3, 6]
 BRANCHGRPO_ETA = 0.3  # DanceGRPO's, which BranchGRPO keeps
+# TempFlow-GRPO's comb branches at every step; at the digits model's 10, every other step of the
+# first 7 keeps a root of 1 + 4 K leaves within a worker's batch.
+TEMPFLOW_STEPS = [0, 2, 4, 6]
 
 
 @dataclass
@@ -165,6 +176,35 @@ class Trainer:
         return {"first_step_max_abs_dlogp": first_step_error, "optimizer_steps": steps}
 
 
+    def step_comb(self, batch: RolloutBatch, groups: dict[int, tuple[list[int], torch.Tensor]]) -> dict:
+        """TempFlow-GRPO's update: for each branch step, a clipped policy-gradient step on the
+        stochastic transition of its children (`groups`: step -> their batch indices and
+        advantages), weighted by the step's noise std over the mean of the steps'; the first
+        step's max |new - old| log-prob."""
+        config, options, sigmas = self.config, batch.options, batch.schedule.sigmas
+        stds = {
+            step: noise_std_of(options.transition_at(step), sigmas[step], sigmas[step + 1], eta=options.noise_level, sigma_after_one=sigmas[1]).item()
+            for step in groups
+        }  # fmt: skip
+        first_step_error, steps = None, 0
+        for _ in range(config.inner_epochs):
+            for step, (leaves, advantages) in groups.items():
+                samples = [batch.samples[i] for i in leaves]
+                new = transition_log_probs(self.pipeline, batch.schedule, options, samples, [step])[:, 0]
+                old = torch.stack([s.log_probs[step] for s in samples])
+                if first_step_error is None:
+                    first_step_error = (new.detach() - old).abs().max().item()
+                ratio = torch.exp(new - old)
+                clipped = ratio.clamp(1 - config.clip_range, 1 + config.clip_range)
+                weight = stds[step] * len(stds) / sum(stds.values())
+                loss = weight * torch.maximum(-advantages * ratio, -advantages * clipped).mean()
+                self.optimizer.zero_grad()
+                loss.backward()
+                self.optimizer.step()
+                steps += 1
+        return {"first_step_max_abs_dlogp": first_step_error, "optimizer_steps": steps}
+
+
 def per_depth_advantages(nodes: list[TreeNode], rewards: torch.Tensor) -> list[float]:
     """BranchGRPO's advantages: a node's reward is the mean of its leaves', z-scored among the nodes
     of its depth in its tree (cousins included); a depth of one node (the root) gets 0."""
@@ -182,8 +222,39 @@ def per_depth_advantages(nodes: list[TreeNode], rewards: torch.Tensor) -> list[f
     return advantages
 
 
+def sibling_groups(batch: RolloutBatch, rewards: torch.Tensor) -> dict[int, tuple[list[int], torch.Tensor]]:
+    """TempFlow-GRPO's groups: the children a comb's spine grew at one branch step (the spine's
+    own next node, child 0, is not one of them), their rewards z-scored among them; by step, over
+    every prompt's comb, as batch indices and advantages."""
+    nodes = batch.tree()
+    groups: dict[int, tuple[list[int], list[float]]] = {}
+    for node in nodes:
+        children = [nodes[k] for k in node.children if nodes[k].path[-1] != 0]
+        if not children:
+            continue
+        leaves = [child.leaves[0] for child in children]
+        values = rewards[leaves]
+        step_leaves, step_advantages = groups.setdefault(children[0].steps.start, ([], []))
+        step_leaves += leaves
+        step_advantages += ((values - values.mean()) / (values.std() + 1e-8)).tolist()
+    return {step: (leaves, torch.tensor(advantages)) for step, (leaves, advantages) in sorted(groups.items())}
+
+
+def outputs_per_prompt(config: GRPOConfig) -> int:
+    """A comb's leaves (its spine and `group_size` children at each branch step), else the group."""
+    return 1 + config.group_size * len(TEMPFLOW_STEPS) if config.algorithm == "tempflow" else config.group_size
+
+
 def rollout_fields(config: GRPOConfig, window: list[int]) -> dict:
     """The request's sampling fields for `config.algorithm`."""
+    if config.algorithm == "tempflow":
+        return {
+            "rollout_noise_level": config.noise_level,
+            "rollout_branch_shape": "comb",
+            "rollout_branch_steps": TEMPFLOW_STEPS,
+            "rollout_branch_factors": [config.group_size] * len(TEMPFLOW_STEPS),
+            "rollout_return_dit_trajectory": True,
+        }
     if config.algorithm == "branchgrpo":
         return {
             "rollout_sde_type": "dance",
@@ -217,7 +288,7 @@ def train(handle, config: GRPOConfig, log=print) -> list[dict]:
         digits = [(iteration * config.prompts + k) % 10 for k in range(config.prompts)]
         request = {
             "prompt": [digit_prompt(d) for d in digits],
-            "num_outputs_per_prompt": config.group_size,
+            "num_outputs_per_prompt": outputs_per_prompt(config),
             "num_inference_steps": config.steps,
             "seed": config.seed + iteration * config.prompts * config.group_size,
             "rollout_debug_mode": False,
@@ -239,6 +310,12 @@ def train(handle, config: GRPOConfig, log=print) -> list[dict]:
             nodes = batch.tree()
             update = trainer.step_tree(batch, nodes, per_depth_advantages(nodes, rewards))
             update["transitions_trained"] = sum(len(node.steps) for node in nodes)  # each edge once
+        elif config.algorithm == "tempflow":
+            groups = sibling_groups(batch, rewards)
+            update = trainer.step_comb(batch, groups)
+            update["transitions_trained"] = sum(len(leaves) for leaves, _ in groups.values())
+            spines = [k for k, s in enumerate(batch.samples) if not any(s.branch_path)]
+            update["spine_reward"] = round(rewards[spines].mean().item(), 4)  # the ODE sample's, what the policy makes
         else:
             update = trainer.step(batch, advantages, window)
         train_s = time.perf_counter() - started
@@ -342,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(run_output / "metrics.jsonl", "w") as metrics:
             log = lambda line: (print(line, flush=True), metrics.write(line + "\n"))  # noqa: E731
             histories[label] = history = train(handle, run_config, log=log)
-        plot(history, run_output / "reward_curve.png", "BranchGRPO" if config.algorithm == "branchgrpo" else "Flow-GRPO")
+        plot(history, run_output / "reward_curve.png", TITLES[config.algorithm])
         print(f"{label or 'run'}: reward {history[0]['reward']} -> {history[-1]['reward']}; curve in {run_output / 'reward_curve.png'}")
     if compare:
         plot_against_wall_time(histories, output / "reward_vs_wall_time.png")

@@ -187,11 +187,17 @@ def transformer_cost(pipeline: RolloutPipeline, roots: Sequence[TreeRoot], optio
 
 def tree_rows(roots: Sequence[TreeRoot], num_steps: int, padded_rows: Callable[[int], int]) -> int:
     """Rows of `num_steps` steps of `roots` sampled together: each step's live nodes, padded."""
-    nodes = [_nodes_by_depth(root) for root in roots]
-    return sum(
-        padded_rows(sum(by_depth[_depth_at(root, step)] for root, by_depth in zip(roots, nodes)))
-        for step in range(num_steps)
-    )
+    starts, stops = [0] * (num_steps + 1), [0] * (num_steps + 1)  # nodes whose steps start, stop there
+    for root in roots:
+        for path in _nodes(root):
+            steps = root.branching.transformer_steps(path, num_steps)
+            starts[steps.start] += 1
+            stops[steps.stop] += 1
+    rows, live = 0, 0
+    for step in range(num_steps):
+        live += starts[step] - stops[step]
+        rows += padded_rows(live)
+    return rows
 
 
 def unbranched_rows(leaves: int, num_steps: int, padded_rows: Callable[[int], int]) -> int:
@@ -199,14 +205,7 @@ def unbranched_rows(leaves: int, num_steps: int, padded_rows: Callable[[int], in
     return num_steps * padded_rows(leaves)
 
 
-def _depth_at(root: TreeRoot, step: int) -> int:
-    """The depth of `root`'s nodes the transformer runs at `step`: one more per branch step before
-    it (at a branch step the velocity is the parent's, computed once for all its children)."""
-    return sum(branch_step < step for branch_step in root.branching.steps)
-
-
-def _nodes_by_depth(root: TreeRoot) -> list[int]:
-    """The nodes `root` grows at each depth, 0 (the root) to m (its leaves): the distinct prefixes
-    of the paths it grows (all `leaves_per_root` leaves, or the ones its `paths` name)."""
-    paths = root.leaf_paths()
-    return [len({path[:depth] for path in paths}) for depth in range(len(root.branching.steps) + 1)]
+def _nodes(root: TreeRoot) -> set[tuple[int, ...]]:
+    """The paths of the nodes `root` grows: the distinct prefixes of the paths of its leaves (all
+    `leaves_per_root` of them, or the ones its `paths` name)."""
+    return {path[:depth] for path in root.leaf_paths() for depth in range(len(path) + 1)}

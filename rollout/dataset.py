@@ -6,7 +6,8 @@ schedule once (``schedule.sigmas``, ``schedule.timesteps``, ``schedule.model_tim
 ``index.json`` lists the shards, each with its byte size and SHA-256, the model that sampled it,
 the weight versions of its samples and its sampling options, and one record per sample (shard, row,
 prompt, seed, weight version, request; a tree rollout's leaf also its `branch_steps`,
-`branch_factors` and `branch_path`; a scored sample its `rewards` and `advantages`; an
+`branch_factors` and `branch_path`, and where they are not the defaults its `branch_noise_scales`,
+`branch_log_prob_std` and `branch_shape`; a scored sample its `rewards` and `advantages`; an
 image-conditioned sample the digests of its prompt's `condition_images`, whose pixels the shard
 holds once each as ``condition_image.<digest>``); ``complete`` says whether the writer was closed.
 
@@ -46,7 +47,7 @@ from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import RolloutBatch, SampleTrajectory
-from rollout.tree import Branching, BranchLogProbStd
+from rollout.tree import Branching, BranchLogProbStd, BranchShape
 
 INDEX_FILE = "index.json"
 FORMAT_VERSION = 3
@@ -174,6 +175,8 @@ class RolloutDatasetWriter:
                 )
                 if branching.noise_scales:  # replay needs them where the log-prob takes the scaled std
                     record.update(branch_noise_scales=list(branching.noise_scales), branch_log_prob_std=branching.log_prob_std.value)
+                if branching.is_comb:  # replay needs it: a comb's leaves take ODE steps where a tree's draw
+                    record.update(branch_shape=branching.shape.value)
             for name in ("rewards", "advantages"):  # scored in the rollout (rollout/scorers)
                 if getattr(sample, name) is not None:
                     record[name] = getattr(sample, name)
@@ -405,6 +408,7 @@ def _branch_fields(record: dict[str, Any]) -> dict[str, Any]:
         tuple(record["branch_factors"]),
         tuple(record.get("branch_noise_scales", ())),
         record.get("branch_log_prob_std", BranchLogProbStd.SCALED),
+        record.get("branch_shape", BranchShape.TREE),
     )
     return {"branching": branching, "branch_path": branching.check_path(record["branch_path"])}
 

@@ -30,9 +30,11 @@ from rollout.tree import (
     FACTORS_FIELD,
     LOG_PROB_STD_FIELD,
     NOISE_SCALES_FIELD,
+    SHAPE_FIELD,
     STEPS_FIELD,
     Branching,
     BranchLogProbStd,
+    BranchShape,
     TreeRoot,
     roots_of,
 )
@@ -365,28 +367,30 @@ def _branching(request: RolloutRequest, options: SamplingOptions, max_batch_size
     batch (a root's leaves are sampled in one call)."""
     steps, factors = request.rollout_branch_steps, request.rollout_branch_factors
     scales, log_prob_std = request.rollout_branch_noise_scales, request.rollout_branch_log_prob_std
+    shape = request.rollout_branch_shape
     if steps is None and factors is None:
-        for field, value in ((NOISE_SCALES_FIELD, scales), (LOG_PROB_STD_FIELD, log_prob_std)):
+        for field, value in ((NOISE_SCALES_FIELD, scales), (LOG_PROB_STD_FIELD, log_prob_std), (SHAPE_FIELD, shape)):
             if value is not None:
-                raise InvalidRequestError(field, f"needs {STEPS_FIELD}: it is about the noise of branch steps")
+                raise InvalidRequestError(field, f"needs {STEPS_FIELD}: it is about how roots branch there")
         return Branching()
     if steps is None or factors is None:
         given, missing = (STEPS_FIELD, FACTORS_FIELD) if factors is None else (FACTORS_FIELD, STEPS_FIELD)
         raise InvalidRequestError(missing, f"needed with {given}: one factor per branch step")
     if not request.rollout:
         raise InvalidRequestError(STEPS_FIELD, "branches need a rollout's stochastic steps; this request has rollout: false")
-    branching = Branching(tuple(steps), tuple(factors), tuple(scales or ()), log_prob_std or BranchLogProbStd.SCALED)
+    branching = Branching(
+        tuple(steps), tuple(factors), tuple(scales or ()), log_prob_std or BranchLogProbStd.SCALED, shape or BranchShape.TREE
+    )
     branching.check(options)
     per_root = branching.leaves_per_root
     if request.outputs_per_prompt % per_root:
         raise InvalidRequestError(
-            "num_outputs_per_prompt",
-            f"must be a multiple of the product of {FACTORS_FIELD} ({per_root}), got {request.outputs_per_prompt}",
+            "num_outputs_per_prompt", f"must be a multiple of {branching.leaves_rule}, got {request.outputs_per_prompt}"
         )
     if max_batch_size is not None and per_root > max_batch_size:
         raise InvalidRequestError(
             FACTORS_FIELD,
-            f"their product ({per_root}, the leaves of a root, sampled together) must be at most the "
+            f"the leaves of a root, {branching.leaves_rule}, are sampled together: they must be at most the "
             f"server's max_batch_size ({max_batch_size})",
         )
     return branching

@@ -22,7 +22,7 @@ from rollout.options import SamplingOptions
 from rollout.sampler import pad_buckets, predict_velocity
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import RolloutBatch, SampleTrajectory, TreeNode
-from rollout.transitions import take_step
+from rollout.transitions import noise_std_of, take_steps
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,9 @@ class ReplayedTransitions:
         log_probs: `(N, S)` fp32, the log-prob of each sample's x_{i+1} at each step.
         means: `(N, S, ...)` fp32, each transition's mean (Flow-GRPO's KL to a reference model is
             the squared distance of two models' means over the step's variance).
-        noise_stds: `(S,)` fp32, each step's standard deviation around its mean (0 on ODE steps).
+        noise_stds: `(S,)` fp32, each step's standard deviation around its mean (0 on the request's
+            ODE steps; a comb's rows that took an ODE step where the request's is stochastic have
+            log-prob 0 there).
     """
 
     log_probs: torch.Tensor
@@ -139,15 +141,15 @@ def replayed_transitions(
     held = pipeline.held_frames(conditioning)
     held = None if held is None else held.to(device)
 
-    transitions = []
+    transitions, stds = [], []
     for step in steps:
         x_t = latents[:, position[step]]
         x_next = latents[:, position[step + 1]]
         timestep, expert = schedule.model_timesteps[step], schedule.expert_at(step)
         with LinearAsWithoutGradients():  # (under autograd: the rollout's kernels, see rollout.kernels)
             v = predict_velocity(pipeline, x_t, timestep, padded_conditioning, options, expert)
-        transition = take_step(
-            options.transition_at(step),
+        transition = take_steps(
+            [sample.branching.transition_at(options, step, sample.branch_path) for sample in samples],
             x_t,
             v,
             sigmas[step],
@@ -160,13 +162,17 @@ def replayed_transitions(
             log_prob_std_scales=[sample.branching.log_prob_std_scale_at(step) for sample in samples],
         )
         transitions.append(transition)
+        # The request's std at the step, as the debug tensors' `noise_std_devs`, whichever rows took
+        # it: a comb's rows of an ODE step there have log-prob 0.
+        kind = options.transition_at(step)
+        stds.append(noise_std_of(kind, sigmas[step], sigmas[step + 1], eta=options.noise_level, sigma_after_one=sigmas[1]))
     if not transitions:
         empty = latents.new_zeros(len(samples), 0)
         return ReplayedTransitions(empty, latents[:, :0], latents.new_zeros(0))
     return ReplayedTransitions(
         torch.stack([t.log_prob for t in transitions], dim=1),
         torch.stack([t.mean for t in transitions], dim=1),
-        torch.stack([t.noise_std.reshape(()) for t in transitions]),
+        torch.stack([std.reshape(()) for std in stds]),
     )
 
 

@@ -36,7 +36,7 @@ from rollout.options import SamplingOptions, check_seed
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import RolloutBatch, SampleTrajectory, StepDebug
 from rollout.tree import Branching, TreeRoot, roots_of
-from rollout.transitions import HeldFrames, Transition, take_step
+from rollout.transitions import HeldFrames, Transition, TransitionKind, noise_std_of, take_steps
 
 
 def resolve_options(pipeline: RolloutPipeline, options: SamplingOptions) -> SamplingOptions:
@@ -430,17 +430,14 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
             epoch = run.start_epoch(step, nodes, parent, after_branch=True)
             x_t, v = x_t[parent.to(x_t.device)], v[parent.to(v.device)]
             padded_conditioning, held = run.taken_by(pipeline, nodes)
-        kind = options.transition_at(step)
-        noise, log_prob_std_scales = None, None
-        if kind.draws_noise:
-            noise = _draw_noise([node.generator for node in nodes], run.latent_shape, device)
-            if step in run.branch_steps:  # each child's own draw, times its branch step's noise scale
-                branchings = [run.roots[node.root].branching for node in nodes]
-                scales = torch.tensor([b.noise_scale_at(step) for b in branchings], dtype=noise.dtype, device=device)
-                noise = noise * scales.view(-1, *[1] * (noise.ndim - 1))
-                log_prob_std_scales = [b.log_prob_std_scale_at(step) for b in branchings]
-        transition = take_step(
-            kind,
+        branchings = [run.roots[node.root].branching for node in nodes]
+        kinds = [b.transition_at(options, step, node.path) for b, node in zip(branchings, nodes)]
+        noise = _drawn_noise(run, nodes, kinds, step)
+        log_prob_std_scales = None
+        if noise is not None and step in run.branch_steps:
+            log_prob_std_scales = [b.log_prob_std_scale_at(step) for b in branchings]
+        transition = take_steps(
+            kinds,
             x_t,
             v,
             run.sigmas[step],
@@ -459,6 +456,25 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
         if options.debug:
             _keep_debug(run, epoch, step, v, transition, noise)
     return x_t, transformer_rows
+
+
+def _drawn_noise(run: _TreeRun, nodes: list[_Node], kinds: list[TransitionKind], step: int) -> torch.Tensor | None:
+    """Each row's noise for `step`, drawn from its node's generator where its transition draws
+    (zero in a comb's ODE rows, which draw nothing), times its branch step's noise scale at a
+    branch step; None where no row draws."""
+    drawing = [row for row, kind in enumerate(kinds) if kind.draws_noise]
+    if not drawing:
+        return None
+    drawn = _draw_noise([nodes[row].generator for row in drawing], run.latent_shape, run.device)
+    if len(drawing) == len(nodes):
+        noise = drawn
+    else:
+        noise = torch.zeros((len(nodes), *drawn.shape[1:]), dtype=drawn.dtype, device=drawn.device)
+        noise[torch.tensor(drawing, device=drawn.device)] = drawn
+    if step in run.branch_steps:  # each child's own draw, times its branch step's noise scale
+        scales = [run.roots[node.root].branching.noise_scale_at(step) for node in nodes]
+        noise = noise * torch.tensor(scales, dtype=noise.dtype, device=noise.device).view(-1, *[1] * (noise.ndim - 1))
+    return noise
 
 
 def _rows_still_wanted(nodes: list[_Node], abandoned_roots: Collection[int]) -> list[int] | None:
@@ -480,7 +496,12 @@ def _keep_debug(
     velocities, means, noises = epoch.debug
     velocities[:, slot].copy_(v, non_blocking=True)
     means[:, slot].copy_(transition.mean, non_blocking=True)
-    run.noise_stds[step].copy_(transition.noise_std, non_blocking=True)
+    # The std of the request's transition at `step`, whichever rows took it: rows of an ODE step
+    # there (a comb's) keep zero noise, so x_(i+1) = mean + std * noise holds on every row.
+    kind = run.options.transition_at(step)
+    sigmas, eta = run.sigmas, run.options.noise_level
+    std = noise_std_of(kind, sigmas[step], sigmas[step + 1], eta=eta, sigma_after_one=sigmas[1])
+    run.noise_stds[step].copy_(std, non_blocking=True)
     if noise is None:
         noises[:, slot].zero_()
     else:
@@ -554,7 +575,7 @@ def _branch(roots: Sequence[TreeRoot], nodes: list[_Node], step: int) -> tuple[l
     children, parent = [], []
     for row, node in enumerate(nodes):
         branching = roots[node.root].branching
-        if step not in branching.steps:
+        if step not in branching.steps or not branching.branches_below(node.path):
             children.append(node)
             parent.append(row)
             continue

@@ -110,6 +110,12 @@ class RolloutRequest(BaseModel):
         description="(extension) Per branch step, the factor on the noise each child draws there (BranchGRPO's "
         "tree_split_noise_scale). Default: 1 at each.",
     )
+    rollout_branch_shape: str | None = Field(
+        None,
+        description="(extension) tree (default): every node branches at each branch step; comb (TempFlow-GRPO's): "
+        "an ODE spine that grows, at each branch step, its factor's children, each one stochastic step from the "
+        "spine and an ODE tail (rollout/tree.py).",
+    )
     rollout_branch_log_prob_std: str | None = Field(
         None,
         description="(extension) The std in the log-prob of a scaled branch step: scaled (the std the noise was "

@@ -41,7 +41,9 @@ class StepDebug:
     Attributes:
         model_outputs: `(T, ...)` velocity used at each step, after guidance.
         prev_sample_means: `(T, ...)` mean of the transition at each step.
-        noise_std_devs: `(T,)` std of x_next around the mean (0 on deterministic steps).
+        noise_std_devs: `(T,)` std of x_next around the mean at each step of the request (0 on its
+            deterministic steps), shared by every sample: a comb's spine and tails, which take
+            ODE steps where the request's are stochastic, have zero noise there.
         variance_noises: `(T, ...)` the standard-normal draws (zeros where a step drew none; times
             the noise scale at a tree's scaled branch step: `rollout.tree.Branching.noise_scales`),
             so that x_{i+1} = mean + noise_std * variance_noise at every step.
@@ -218,6 +220,7 @@ class RolloutBatch:
                     "factors": list(s.branching.factors),
                     "noise_scales": list(s.branching.noise_scales),
                     "log_prob_std": s.branching.log_prob_std.value,
+                    "shape": s.branching.shape.value,
                 },
                 "branch_path": list(s.branch_path),
                 "denoising_env": share("denoising_env", s.denoising_env),
@@ -286,7 +289,7 @@ class RolloutBatch:
             key = (leaf.prompt, leaf.negative_prompt, leaf.root_seed, leaf.branching)
             root = roots.setdefault(key, len(roots))
             for depth in range(len(leaf.branch_path) + 1):
-                node = nodes.setdefault((root, leaf.branch_path[:depth]), {"first": leaf, "depth": depth, "leaves": []})
+                node = nodes.setdefault((root, leaf.branch_path[:depth]), {"first": leaf, "leaves": []})
                 node["leaves"].append(i)
         index = {key: k for k, key in enumerate(nodes)}
         children: dict[tuple, list[int]] = {key: [] for key in nodes}
@@ -295,10 +298,10 @@ class RolloutBatch:
                 children[(root, path[:-1])].append(index[(root, path)])
         tree = []
         for (root, path), node in nodes.items():
-            first, depth = node["first"], node["depth"]
-            steps = first.branching.owned_steps(depth, num_steps)
+            first = node["first"]
+            steps = first.branching.owned_steps(path, num_steps)
             owned = [
-                k for k, step in enumerate(first.latent_step_indices.tolist()) if first.branching.owns_latent(depth, step, num_steps)
+                k for k, step in enumerate(first.latent_step_indices.tolist()) if first.branching.owns_latent(path, step, num_steps)
             ]
             tensors = first.tensors()
             mine = {"latents": tensors["latents"][owned[0] : owned[-1] + 1] if owned else tensors["latents"][:0]}

@@ -219,3 +219,62 @@ def take_step(
         held_rows = None if held is None else held.select(rows)
         log_prob[rows] = gaussian_log_prob(x_next[rows], mean[rows], std * scale, log_prob_form, held_rows)
     return Transition(x_next=x_next.float(), mean=mean, noise_std=std, log_prob=log_prob)
+
+
+def take_steps(
+    kinds: Sequence[TransitionKind],
+    x_t: torch.Tensor,
+    v: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    *,
+    eta: float,
+    sigma_after_one: torch.Tensor,
+    noise: torch.Tensor | None = None,
+    x_next: torch.Tensor | None = None,
+    log_prob_form: LogProbForm = LogProbForm.GAUSSIAN,
+    held: HeldFrames | None = None,
+    log_prob_std_scales: Sequence[float] | None = None,
+) -> Transition:
+    """`take_step` where rows take different kinds of step, one per row in `kinds` (a comb's spine
+    and tails take ODE steps beside its children's stochastic ones): the rows of each kind in one
+    call, each row's bits those of its kind's call. `noise` and `x_next`, where given, hold every
+    row; a row of an ODE step ignores its noise. The `noise_std` returned is the stochastic rows'
+    (a request's rows draw with one kind at most), 0 where no row draws."""
+    distinct = list(dict.fromkeys(kinds))
+    if len(distinct) == 1:
+        (kind,) = distinct
+        return take_step(
+            kind, x_t, v, sigma, sigma_next, eta=eta, sigma_after_one=sigma_after_one,
+            noise=noise if kind.draws_noise else None, x_next=x_next, log_prob_form=log_prob_form, held=held,
+            log_prob_std_scales=log_prob_std_scales,
+        )  # fmt: skip
+    if sum(kind.draws_noise for kind in distinct) > 1:
+        raise ValueError(f"rows of one step draw noise with one kind of step at most, got {[k.value for k in distinct]}")
+    x_out = torch.empty(x_t.shape, dtype=torch.float32, device=x_t.device)
+    mean_out = torch.empty_like(x_out)
+    log_prob_out = torch.empty(x_t.shape[0], dtype=torch.float32, device=x_t.device)
+    noise_std = torch.zeros((), dtype=torch.float32, device=x_t.device)
+    for kind in distinct:
+        rows = [row for row, row_kind in enumerate(kinds) if row_kind is kind]
+        index = torch.tensor(rows, device=x_t.device)
+        part = take_step(
+            kind, x_t[index], v[index], sigma, sigma_next, eta=eta, sigma_after_one=sigma_after_one,
+            noise=noise[index] if kind.draws_noise and noise is not None else None,
+            x_next=None if x_next is None else x_next[index], log_prob_form=log_prob_form,
+            held=None if held is None else held.select(index),
+            log_prob_std_scales=None if log_prob_std_scales is None else [log_prob_std_scales[row] for row in rows],
+        )  # fmt: skip
+        x_out[index], mean_out[index], log_prob_out[index] = part.x_next, part.mean, part.log_prob
+        if kind.draws_noise:
+            noise_std = part.noise_std
+    return Transition(x_next=x_out, mean=mean_out, noise_std=noise_std, log_prob=log_prob_out)
+
+
+def noise_std_of(
+    kind: TransitionKind, sigma: torch.Tensor, sigma_next: torch.Tensor, *, eta: float, sigma_after_one: torch.Tensor
+) -> torch.Tensor:
+    """The `()` std of a `kind` step's x_next, as `take_step` computes it (the std depends on the
+    schedule and `eta` alone, so no rows are needed)."""
+    no_rows = torch.zeros((0,), dtype=torch.float32, device=sigma.device)
+    return transition_distribution(kind, no_rows, no_rows, sigma, sigma_next, eta, sigma_after_one)[1]

@@ -29,6 +29,17 @@ Cost: the transformer runs once per node and step owned, `sum over nodes of the 
 root runs steps 0 .. s_1, a child created at s_d runs s_d + 1 .. s_{d+1} (its velocity at s_{d+1}
 is computed once for all its children). For one branch into 16 at step 4 of 10 steps, that is
 5 + 16 x 5 = 85 rows per root instead of 16 x 10 = 160.
+
+A comb (`BranchShape.COMB`, TempFlow-GRPO's rollout) is a tree whose leaves stop at different
+depths. Its spine runs every step by ODE; at each branch step s_d it grows K_d children (the
+factors, each >= 1) that take one stochastic step from the spine's x_{s_d} with the spine's
+velocity there, never branch again, and finish by ODE. The spine is child 0 at every branch step
+and a leaf itself, path (0, ..., 0); the k-th child of s_d (k >= 1) is the leaf (0, ..., 0, k) of
+length d. The root's L = 1 + K_1 + ... + K_m leaves are numbered spine first, then s_1's children,
+s_2's, ...: the leaf (0, ..., 0, k) of length d is number 1 + K_1 + ... + K_{d-1} + k - 1. Seeds
+follow the rule above: the spine keeps the root's generator, each child starts one seeded with its
+own seed, whose one draw is its stochastic step's noise. The spine runs T rows, a child of s_d
+T - 1 - s_d; one request per branch step instead would recompute the spine up to s_d each time.
 """
 
 from __future__ import annotations
@@ -49,9 +60,17 @@ STEPS_FIELD = "rollout_branch_steps"
 FACTORS_FIELD = "rollout_branch_factors"
 NOISE_SCALES_FIELD = "rollout_branch_noise_scales"
 LOG_PROB_STD_FIELD = "rollout_branch_log_prob_std"
+SHAPE_FIELD = "rollout_branch_shape"
 # The largest noise scale of a branch step: BranchGRPO's scripts use 4; past this a child's latents
 # are noise, not an exploration around its parent's mean.
 MAX_NOISE_SCALE = 100.0
+
+
+class BranchShape(str, enum.Enum):
+    """How a root's nodes branch (this module's docstring)."""
+
+    TREE = "tree"  # every node at a branch step branches, every leaf is as deep as the branch steps
+    COMB = "comb"  # an ODE spine; each branch step's children take one stochastic step and finish by ODE
 
 
 class BranchLogProbStd(str, enum.Enum):
@@ -67,16 +86,19 @@ class Branching:
 
     Attributes:
         steps: the branch steps, strictly increasing (absolute step indices).
-        factors: children per node at each branch step, each >= 2.
+        factors: children per node at each branch step, each >= 2; a comb's stochastic children
+            of the spine at each, each >= 1.
         noise_scales: per branch step, the factor on the noise each child draws there (BranchGRPO's
             `tree_split_noise_scale`, Dynamic-TreeRPO's per-layer noise levels); () for 1 at each.
         log_prob_std: the std the log-prob of a scaled branch step takes (`BranchLogProbStd`).
+        shape: a tree or a comb (`BranchShape`).
     """
 
     steps: tuple[int, ...] = ()
     factors: tuple[int, ...] = ()
     noise_scales: tuple[float, ...] = ()
     log_prob_std: BranchLogProbStd = BranchLogProbStd.SCALED
+    shape: BranchShape = BranchShape.TREE
 
     def __post_init__(self):
         for field, values in ((STEPS_FIELD, self.steps), (FACTORS_FIELD, self.factors)):
@@ -93,8 +115,15 @@ class Branching:
             )
         if any(step < 0 for step in self.steps) or any(b <= a for a, b in zip(self.steps, self.steps[1:])):
             raise InvalidRequestError(STEPS_FIELD, f"must be strictly increasing steps >= 0, got {list(self.steps)}")
-        if any(factor < 2 for factor in self.factors):
-            raise InvalidRequestError(FACTORS_FIELD, f"each must be >= 2, got {list(self.factors)}")
+        try:
+            object.__setattr__(self, "shape", BranchShape(self.shape))
+        except ValueError:
+            choices = [member.value for member in BranchShape]
+            raise InvalidRequestError(SHAPE_FIELD, f"must be one of {choices}, got {short_repr(self.shape)}") from None
+        least = 1 if self.is_comb else 2
+        if any(factor < least for factor in self.factors):
+            what = "a comb's children of each branch step" if self.is_comb else "each"
+            raise InvalidRequestError(FACTORS_FIELD, f"{what} must be >= {least}, got {list(self.factors)}")
         self._check_noise_scales()
 
     def _check_noise_scales(self) -> None:
@@ -135,8 +164,19 @@ class Branching:
         return bool(self.steps)
 
     @property
+    def is_comb(self) -> bool:
+        return self.shape is BranchShape.COMB
+
+    @property
     def leaves_per_root(self) -> int:
-        return math.prod(self.factors)
+        return 1 + sum(self.factors) if self.is_comb else math.prod(self.factors)
+
+    @property
+    def leaves_rule(self) -> str:
+        """`leaves_per_root` in words, for the errors that name it."""
+        if self.is_comb:
+            return f"1 + the sum of {FACTORS_FIELD}, a comb's spine and children ({self.leaves_per_root})"
+        return f"the product of {FACTORS_FIELD} ({self.leaves_per_root})"
 
     def check(self, options: SamplingOptions) -> None:
         """Raises `InvalidRequestError` naming ``rollout_branch_steps`` unless every branch step is a
@@ -161,20 +201,63 @@ class Branching:
                     f"{options.noise_level}, {kind.value}): its children would be copies",
                 )
 
-    def stride(self, depth: int) -> int:
-        """Leaves below one child created at branch step `depth` (0-based): f_{depth+2} x ... x f_m."""
-        return math.prod(self.factors[depth + 1 :])
+    def transition_at(self, options: SamplingOptions, step: int, path: Sequence[int]) -> TransitionKind:
+        """The transition a node at `path` (or any leaf below it) takes at `step`: the request's
+        (`SamplingOptions.transition_at`) in a tree; in a comb, that at a child's branch step and
+        an ODE step everywhere else (the spine, and every child's tail)."""
+        if not self.is_comb:
+            return options.transition_at(step)
+        if self._is_comb_child(path) and step == self.steps[len(path) - 1]:
+            return options.transition_at(step)
+        return TransitionKind.ODE
+
+    def _is_comb_child(self, path: Sequence[int]) -> bool:
+        """Whether the node at `path` is one of a comb's stochastic children, not on its spine."""
+        return self.is_comb and bool(path) and path[-1] != 0
+
+    def branches_below(self, path: Sequence[int]) -> bool:
+        """Whether the node at `path` has children: in a tree, every node above the leaves; in a comb,
+        the spine's nodes above its last branch step."""
+        return len(path) < len(self.steps) and not self._is_comb_child(path)
 
     def offset(self, path: Sequence[int]) -> int:
         """The leaf number, among its root's leaves, of the first leaf below the node at `path`."""
-        return sum(child * self.stride(depth) for depth, child in enumerate(path))
+        if self.is_comb:
+            if not self._is_comb_child(path):
+                return 0  # the spine's nodes: the spine is leaf 0
+            return 1 + sum(self.factors[: len(path) - 1]) + path[-1] - 1
+        return sum(child * math.prod(self.factors[depth + 1 :]) for depth, child in enumerate(path))
 
     def path_of(self, offset: int) -> tuple[int, ...]:
         """The path of the root's leaf number `offset`."""
-        return tuple((offset // self.stride(depth)) % factor for depth, factor in enumerate(self.factors))
+        if self.is_comb:
+            if offset == 0:
+                return (0,) * len(self.steps)
+            for depth, factor in enumerate(self.factors):
+                if offset <= factor:
+                    return (0,) * depth + (offset,)
+                offset -= factor
+            raise ValueError(f"a root of this comb has {self.leaves_per_root} leaves")
+        return tuple((offset // math.prod(self.factors[depth + 1 :])) % factor for depth, factor in enumerate(self.factors))
 
     def check_path(self, path: Sequence[int]) -> tuple[int, ...]:
         path = tuple(path)
+        if self.is_comb:
+            spine = (0,) * len(self.steps)
+            valid = path == spine or (
+                0 < len(path) <= len(self.steps)
+                and path[:-1] == spine[: len(path) - 1]
+                and not isinstance(path[-1], bool)
+                and isinstance(path[-1], int)
+                and 1 <= path[-1] <= self.factors[len(path) - 1]
+            )
+            if not valid:
+                raise InvalidRequestError(
+                    "branch_path",
+                    f"must be a comb's leaf: the spine {list(spine)}, or zeros then k in [1, K_d] ending at branch step d, "
+                    f"for factors {list(self.factors)}; got {short_repr(path)}",
+                )
+            return path
         if len(path) != len(self.factors) or any(
             isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < f for c, f in zip(path, self.factors)
         ):
@@ -183,16 +266,29 @@ class Branching:
             )
         return path
 
-    def owned_steps(self, depth: int, num_steps: int) -> range:
-        """The transitions a node at `depth` (0: a root) owns: its log-probs' and debug tensors' steps."""
+    def owned_steps(self, path: Sequence[int], num_steps: int) -> range:
+        """The transitions the node at `path` owns (() for a root): its log-probs' and debug
+        tensors' steps. A comb's child owns its stochastic step and its whole ODE tail."""
         bounds = (0, *self.steps, num_steps)
+        depth = len(path)
+        if self._is_comb_child(path):
+            return range(bounds[depth], num_steps)
         return range(bounds[depth], bounds[depth + 1])
 
-    def owns_latent(self, depth: int, step: int, num_steps: int) -> bool:
-        """Whether latent x_step is a node at `depth`'s: a root's are x_0 .. x_{s_1}, a child's those
-        after the transitions it owns."""
-        owned = self.owned_steps(depth, num_steps)
-        return owned.start < step <= owned.stop or step == 0 == depth
+    def owns_latent(self, path: Sequence[int], step: int, num_steps: int) -> bool:
+        """Whether latent x_step is the node at `path`'s: a root's are x_0 .. x_{s_1}, a child's
+        those after the transitions it owns."""
+        owned = self.owned_steps(path, num_steps)
+        return owned.start < step <= owned.stop or step == 0 == len(path)
+
+    def transformer_steps(self, path: Sequence[int], num_steps: int) -> range:
+        """The steps at which the transformer computes the node at `path`'s velocity: those it owns
+        but a child's first (its parent's velocity, computed once for all its children), and the
+        branch step where its own children start."""
+        owned = self.owned_steps(path, num_steps)
+        first = owned.start if not path else owned.start + 1
+        last = owned.stop if self.branches_below(path) else owned.stop - 1
+        return range(first, last + 1)
 
     def branch_seeds(self, root_seed: int, path: Sequence[int]) -> tuple[int, ...]:
         """The seeds of the generators a leaf's noise came from: the root's, then after each branch
@@ -252,7 +348,7 @@ def roots_of(
     if len(seeds) % per_root:
         raise InvalidRequestError(
             "num_outputs_per_prompt",
-            f"must be a multiple of the product of {FACTORS_FIELD} ({per_root}): {len(seeds)} samples",
+            f"must be a multiple of {branching.leaves_rule}: {len(seeds)} samples",
         )
     roots = []
     for start in range(0, len(seeds), per_root):

@@ -318,3 +318,107 @@ def test_a_trainer_replays_each_edge_of_a_tree_once_to_the_bit(random_pipeline, 
     assert sum(replayed_steps) == sum(len(node.steps) for node in nodes) == 40
     window = node_transition_log_probs(random_pipeline, batch, nodes, steps=[2, 3])
     assert [len(log_probs) for log_probs in window] == [0 if not node.path else 2 if len(node.path) == 1 else 0 for node in nodes]
+
+
+# Combs (TempFlow-GRPO): an ODE spine, and at each branch step children one stochastic step off it ---------
+
+COMB = Branching(steps=(0, 2, 4), factors=(2, 3, 1), shape="comb")  # 1 + 2 + 3 + 1 = 7 leaves a root
+
+
+def test_comb_paths_offsets_and_seeds_are_the_documented_ones():
+    paths = [COMB.path_of(offset) for offset in range(COMB.leaves_per_root)]
+    assert COMB.leaves_per_root == 7
+    assert paths == [(0, 0, 0), (1,), (2,), (0, 1), (0, 2), (0, 3), (0, 0, 1)]  # the spine, then step by step
+    assert [COMB.offset(path) for path in paths] == list(range(7))
+    assert COMB.branch_seeds(100, (0, 0, 0)) == (100, 100, 100, 100)  # the spine keeps the root's generator
+    assert COMB.branch_seeds(100, (0, 2)) == (100, 100, 104)  # a child starts one of its own
+    # The spine owns its steps between branch steps; a child its stochastic step and its whole ODE tail.
+    assert [COMB.owned_steps(path, STEPS) for path in [(), (0,), (0, 0), (0, 0, 0), (2,), (0, 3)]] == [
+        range(0, 0), range(0, 2), range(2, 4), range(4, 6), range(0, 6), range(2, 6)
+    ]  # fmt: skip
+    for bad in [(0,), (0, 0), (3,), (0, 4), (1, 0), (0, 0, 0, 0), (True,)]:
+        with pytest.raises(InvalidRequestError, match="must be a comb's leaf") as caught:
+            COMB.check_path(bad)
+        assert caught.value.field == "branch_path"
+
+
+def test_a_comb_is_tempflow_grpos_rollout_its_spine_computed_once(random_pipeline):
+    """Against TempFlow-GRPO's rollout, written here in float64: the spine runs every step by ODE
+    (the plain sample of its seed with no stochastic step, bit for bit); at each branch step every
+    child takes Flow-GRPO's SDE step (`sde_step_with_logprob`, TempFlow-GRPO's) from the spine's
+    x_s with the spine's velocity there, then finishes by ODE; the transformer computes the spine
+    once: T rows, and T - 1 - s rows a child of step s."""
+    call = grow(random_pipeline, [TreeRoot("7", "", 100, COMB)])
+    leaves = call.batch.samples
+    sigmas = call.batch.schedule.sigmas.double().numpy()
+    spine = leaves[0]
+    plain = sample(random_pipeline, ["7"], [100], SamplingOptions(num_inference_steps=STEPS, debug=True, sde_step_indices=()))
+    assert torch.equal(spine.latents, plain.samples[0].latents) and torch.equal(spine.log_probs, torch.zeros(STEPS))
+    for leaf in leaves[1:]:
+        step = COMB.steps[len(leaf.branch_path) - 1]
+        debug = leaf.debug
+        assert leaf.seed == 100 + COMB.offset(leaf.branch_path)
+        assert torch.equal(leaf.latents[: step + 1], spine.latents[: step + 1])
+        assert torch.equal(debug.model_outputs[: step + 1], spine.debug.model_outputs[: step + 1])  # the spine's velocity
+        x, v = leaf.latents[step].double().numpy(), debug.model_outputs[step].double().numpy()
+        eps = debug.variance_noises[step].double().numpy()
+        mean, std, x_next = reference_step("sde", x, v, sigmas[step], sigmas[step + 1], 0.7, sigmas[1], eps)
+        assert_mean_close("sde", leaf.latents[step + 1].double().numpy(), x_next, x, v, sigmas[step], sigmas[step + 1], 0.7)
+        assert debug.noise_std_devs[step].item() == pytest.approx(std, rel=1e-6)
+        log_prob = reference_log_prob(leaf.latents[step + 1].double().numpy()[None], mean[None], std, "gaussian")[0]
+        assert leaf.log_probs[step].item() == pytest.approx(log_prob, rel=1e-4, abs=1e-4)
+        for tail in range(step + 1, STEPS):  # the ODE tail: no noise, log-prob 0, an Euler step
+            assert leaf.log_probs[tail] == 0 and not debug.variance_noises[tail].any()
+            x, v = leaf.latents[tail].double().numpy(), debug.model_outputs[tail].double().numpy()
+            euler, _, _ = reference_step("ode", x, v, sigmas[tail], sigmas[tail + 1], 0.7, sigmas[1], 0)
+            assert_mean_close("ode", leaf.latents[tail + 1].double().numpy(), euler, x, v, sigmas[tail], sigmas[tail + 1], 0.7)
+        assert not torch.equal(leaf.image, spine.image)
+    kernels = load_pipeline(micro_batching=MicroBatching(8, invariance="kernels"))
+    rows = sample_tree(kernels, [TreeRoot("7", "", 100, COMB)], OPTIONS).transformer_rows
+    assert rows == STEPS + 2 * (STEPS - 1 - 0) + 3 * (STEPS - 1 - 2) + 1 * (STEPS - 1 - 4) == 26
+    # A request per branch step, as without combs, computes the spine up to it each time: 29 rows.
+    assert rows < sum(step + 1 + factor * (STEPS - 1 - step) for step, factor in zip(COMB.steps, COMB.factors)) == 29
+
+
+def test_comb_leaves_replay_exactly_alone_in_company_and_edge_by_edge(random_pipeline):
+    roots = [TreeRoot("4", "", 10, COMB), TreeRoot("9", "", 30, TWO_LEVELS), TreeRoot("2", "", 50)]
+    batch = grow(random_pipeline, roots).batch
+    alone = [leaf for root in roots for leaf in grow(random_pipeline, [root]).batch.samples]
+    for a, b in zip(batch.samples, alone, strict=True):
+        assert_same_leaf(a, b)
+    for leaf in batch.samples[:7]:
+        (regrown,) = grow(random_pipeline, [TreeRoot.of_leaf(leaf)]).batch.samples
+        assert_same_leaf(regrown, leaf)
+    replayed = replay_log_probs(random_pipeline, batch.schedule, batch.options, batch.samples)
+    assert torch.equal(replayed.log_probs, torch.stack([leaf.log_probs for leaf in batch.samples]))
+    nodes = batch.tree()
+    for node, log_probs in zip(nodes, node_transition_log_probs(random_pipeline, batch, nodes)):
+        assert torch.equal(log_probs, node.tensors["log_probs"])
+    spine_node = next(node for node in nodes if node.root == 0 and node.path == (0,))
+    # TempFlow-GRPO's groups: the spine node at step 2 has the spine's next node and step 2's 3 children.
+    assert [nodes[k].path for k in spine_node.children] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    back = pickle.loads(pickle.dumps(batch))
+    for a, b in zip(batch.samples, back.samples):
+        assert_same_leaf(a, b)
+
+
+@pytest.mark.parametrize(
+    "fields, field, reason",
+    [
+        ({"rollout_branch_shape": "ring"}, "rollout_branch_shape", "must be one of ['tree', 'comb']"),
+        ({"rollout_branch_shape": "comb", "rollout_branch_factors": [0]}, "rollout_branch_factors",
+         "a comb's children of each branch step must be >= 1"),
+        ({"rollout_branch_shape": "comb", "num_outputs_per_prompt": 4}, "num_outputs_per_prompt",
+         "must be a multiple of 1 + the sum of rollout_branch_factors, a comb's spine and children (3)"),
+        ({"rollout_branch_shape": "comb", "rollout_sde_step_indices": [3]}, "rollout_branch_steps",
+         "step 1 is a deterministic (ode) step of this request"),
+    ],
+)  # fmt: skip
+def test_bad_comb_fields_are_refused_by_name(fields, field, reason):
+    request = {"prompt": "3", "num_outputs_per_prompt": 3, "rollout_branch_steps": [1], "rollout_branch_factors": [2], **fields}
+    with pytest.raises(InvalidRequestError) as caught:
+        plan_rollout(parse_request(request), RequestLimits())
+    assert caught.value.field == field and reason in caught.value.reason
+    with pytest.raises(InvalidRequestError, match="needs rollout_branch_steps") as caught:
+        plan_rollout(parse_request({"prompt": "3", "rollout_branch_shape": "comb"}), RequestLimits())
+    assert caught.value.field == "rollout_branch_shape"

@@ -430,6 +430,19 @@ def test_the_branchgrpo_recipe_trains_each_edge_once_on_policy(app):
     assert BRANCHGRPO_SPLITS == [0, 3, 6] and all(m["transitions_trained"] == 2 * (6 + 12 + 16) for m in history)
 
 
+def test_the_tempflow_recipe_trains_each_combs_children_on_policy(app):
+    """`--algorithm tempflow`: one comb a prompt, a step's children a group, only their stochastic
+    step trained; the first replay is the rollout's to the bit."""
+    from examples.grpo_digits import TEMPFLOW_STEPS, GRPOConfig, train
+
+    config = GRPOConfig(iterations=2, prompts=2, group_size=2, steps=8, algorithm="tempflow")
+    history = train(app.handle, config, log=lambda line: None)
+    assert [m["first_step_max_abs_dlogp"] for m in history] == [0.0, 0.0]
+    assert all(m["optimizer_steps"] == len(TEMPFLOW_STEPS) for m in history)  # a branch step a step
+    assert all(m["transitions_trained"] == 2 * 2 * len(TEMPFLOW_STEPS) for m in history)  # prompts x children x steps
+    assert all(0 <= m["spine_reward"] <= 1 for m in history)
+
+
 def test_replicas_follow_a_restarted_coordinator(app, base):
     """The coordinator's replica dies: Serve restarts it, the worker replicas register with the
     new one, and updates reach all of them again."""
