@@ -12,7 +12,6 @@ from rollout.errors import SamplingAbandoned
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
-from rollout.cost import _depth_at, _nodes_by_depth
 from rollout.sampler import micro_batch_size, resolve_options, sample_tree
 from rollout.transitions import TransitionKind
 from rollout.tree import Branching, TreeRoot
@@ -78,14 +77,14 @@ def rows_with_drops(pipeline, roots, drop_steps, options) -> int:
     """The transformer rows of `roots` sampled together when each root leaves the batch before its
     drop step: at each step, the live nodes of the roots still in it, padded (`rollout.cost`'s rule)."""
     samples_per_call = micro_batch_size(pipeline, resolve_options(pipeline, options))
-    nodes = [_nodes_by_depth(root) for root in roots]
+
+    def live_nodes(root, step):  # one per distinct path through the branch steps before `step`
+        depth = sum(branch_step < step for branch_step in root.branching.steps)
+        return len({path[:depth] for path in root.leaf_paths()})
+
     return sum(
         pipeline.micro_batching.padded_rows(
-            sum(
-                by_depth[_depth_at(root, step)]
-                for root, by_depth, drop in zip(roots, nodes, drop_steps)
-                if drop is None or drop > step
-            ),
+            sum(live_nodes(root, step) for root, drop in zip(roots, drop_steps) if drop is None or drop > step),
             samples_per_call,
         )
         for step in range(STEPS)
