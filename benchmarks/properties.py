@@ -376,6 +376,7 @@ def check_case(case: Case) -> None:
     check_object_store(batch)
     check_dataset(batch)
     check_leaves_grown_alone(case, served)
+    check_leaves_resumed(case, served)
     check_tree(case.body, full.batch, steps)
     check_cost(case, served)
 
@@ -600,6 +601,28 @@ def check_leaves_grown_alone(case: Case, served: Served) -> None:
     for leaf in {id(leaf): leaf for leaf in (leaves[0], leaves[-1])}.values():
         (alone,) = sample_tree(pipeline, [TreeRoot.of_leaf(leaf)], served.options).batch.samples
         expect_same_sample(leaf, alone, "grown alone")
+
+
+def check_leaves_resumed(case: Case, served: Served) -> None:
+    """Leaves (the first and the last) resumed from a latent they keep, half way, with their own
+    tail equal their rows from there on; the steps before it are not taken (zeros)."""
+    pipeline = _configured(case)
+    for leaf in {id(leaf): leaf for leaf in (served.batch.samples[0], served.batch.samples[-1])}.values():
+        kept = [step for step in leaf.latent_step_indices.tolist() if step < served.options.num_inference_steps]
+        if not kept:
+            return
+        step = kept[len(kept) // 2]
+        returned = served.options.return_step_indices
+        options = dataclasses.replace(
+            served.options, resume_step=step, return_step_indices=None if returned is None else tuple(k for k in returned if k >= step)
+        )
+        (again,) = sample_tree(pipeline, [TreeRoot.resumed_from(leaf, step)], options).batch.samples
+        where = f"resumed at step {step}"
+        first = kept.index(step)
+        expect(torch.equal(again.latents, leaf.latents[first:]), f"{where}: the latents differ")
+        expect(torch.equal(again.log_probs[step:], leaf.log_probs[step:]), f"{where}: the log-probs differ")
+        expect(not again.log_probs[:step].any(), f"{where}: log-probs before it")
+        expect(torch.equal(again.image, leaf.image), f"{where}: the output differs")
 
 
 def check_tree(body: dict[str, Any], full: RolloutBatch, steps: int) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from rollout.cost import TransformerCost
 from rollout.errors import RolloutError
 from rollout.input_images import InputImage
@@ -64,6 +66,8 @@ class SamplingWork:
             handle's caller); a replica's queue takes turns between clients. None: unnamed.
         images: each sample's prompt's input images, decoded by the ingress (`RolloutPlan.images`);
             () for a request without images.
+        resume_latents: each sample's prompt's latent to resume from (`RolloutPlan.resume_latents`);
+            () for a request that starts from noise.
     """
 
     prompts: tuple[str, ...]
@@ -77,6 +81,7 @@ class SamplingWork:
     request_samples: int | None = None
     client: str | None = None
     images: tuple[tuple[InputImage, ...], ...] = ()
+    resume_latents: tuple[torch.Tensor, ...] = ()
 
     def __len__(self) -> int:
         return len(self.seeds)
@@ -87,7 +92,9 @@ class SamplingWork:
         return len(self) if self.request_samples is None else self.request_samples
 
     def roots(self) -> list[TreeRoot]:
-        return roots_of(self.prompts, self.negative_prompts, self.seeds, self.branching, self.images or None)
+        return roots_of(
+            self.prompts, self.negative_prompts, self.seeds, self.branching, self.images or None, self.resume_latents or None
+        )
 
 
 def cut_into_work(
@@ -110,6 +117,7 @@ def cut_into_work(
             branching=plan.branching,
             request_samples=plan.num_samples,
             images=plan.images[start : start + size],
+            resume_latents=plan.resume_latents[start : start + size],
         )
         for start in range(0, plan.num_samples, size)
     ]

@@ -234,6 +234,7 @@ class RolloutWorker:
             work.samples_in_response,
             self.config.limits,
             work.images,
+            work.resume_latents,
         )
         work = dataclasses.replace(work, options=options)
         self._arrivals[id(work)] = time.perf_counter()  # the sampler call that takes it says how long it waited
@@ -308,7 +309,7 @@ class RolloutWorker:
             elapsed,
             steps,
             call.transformer_rows,
-            useful_rows=tree_rows(roots, steps, lambda rows: rows),
+            useful_rows=tree_rows(roots, group[0].options, lambda rows: rows),
             rows_saved=sum(cost.transformer_rows_unbranched - cost.transformer_rows for cost in costs),
         )
         offset = 0

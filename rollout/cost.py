@@ -132,7 +132,7 @@ class CostFacts:
         branches = 2 if self.negative_branch.runs(options) else 1
         # A root's input images add their tokens to each of its rows (at most, before resizing).
         token_rows = sum(
-            tree_rows([root], options.num_inference_steps, lambda rows: rows)
+            tree_rows([root], options, lambda rows: rows)
             * (tokens + len(root.images) * self.condition_images.most_tokens_per_image)
             for root in roots
         )
@@ -180,13 +180,14 @@ def transformer_cost(pipeline: RolloutPipeline, roots: Sequence[TreeRoot], optio
     def padded(rows: int) -> int:
         return pipeline.micro_batching.padded_rows(rows, samples_per_call)
 
-    num_steps = options.num_inference_steps
     leaves = sum(len(root.leaf_paths()) for root in roots)
-    return TransformerCost(tree_rows(roots, num_steps, padded), unbranched_rows(leaves, num_steps, padded))
+    return TransformerCost(tree_rows(roots, options, padded), unbranched_rows(leaves, options, padded))
 
 
-def tree_rows(roots: Sequence[TreeRoot], num_steps: int, padded_rows: Callable[[int], int]) -> int:
-    """Rows of `num_steps` steps of `roots` sampled together: each step's live nodes, padded."""
+def tree_rows(roots: Sequence[TreeRoot], options: SamplingOptions, padded_rows: Callable[[int], int]) -> int:
+    """Rows of the steps `options` take (from the resume step, if any, to the last) of `roots`
+    sampled together: each step's live nodes, padded."""
+    num_steps = options.num_inference_steps
     starts, stops = [0] * (num_steps + 1), [0] * (num_steps + 1)  # nodes whose steps start, stop there
     for root in roots:
         for path in _nodes(root):
@@ -196,13 +197,13 @@ def tree_rows(roots: Sequence[TreeRoot], num_steps: int, padded_rows: Callable[[
     rows, live = 0, 0
     for step in range(num_steps):
         live += starts[step] - stops[step]
-        rows += padded_rows(live)
+        rows += padded_rows(live) if step >= (options.resume_step or 0) else 0
     return rows
 
 
-def unbranched_rows(leaves: int, num_steps: int, padded_rows: Callable[[int], int]) -> int:
-    """Rows of `leaves` unbranched samples sampled together for `num_steps` steps."""
-    return num_steps * padded_rows(leaves)
+def unbranched_rows(leaves: int, options: SamplingOptions, padded_rows: Callable[[int], int]) -> int:
+    """Rows of `leaves` unbranched samples sampled together for the steps `options` take."""
+    return (options.num_inference_steps - (options.resume_step or 0)) * padded_rows(leaves)
 
 
 def _nodes(root: TreeRoot) -> set[tuple[int, ...]]:

@@ -40,6 +40,10 @@ class SamplingOptions:
             None means all T + 1.
         debug: also return per-step velocities, means, noise stds and noise draws.
         return_denoising_env: also return each sample's conditioning tensors.
+        resume_step: where a request resumed from returned nodes starts (each root's latent there is
+            its `rollout.tree.TreeRoot.resume_latents`): it takes the transitions from it on, and
+            its log-probs and debug tensors of the steps before are 0; its generators are advanced
+            by the draws those steps make under these options. None: it starts from noise.
     """
 
     num_inference_steps: int = 20
@@ -57,6 +61,7 @@ class SamplingOptions:
     return_step_indices: tuple[int, ...] | None = None
     debug: bool = False
     return_denoising_env: bool = False
+    resume_step: int | None = None
 
     def __post_init__(self):
         steps = self.num_inference_steps
@@ -82,6 +87,16 @@ class SamplingOptions:
         object.__setattr__(
             self, "return_step_indices", _check_step_indices("rollout_return_step_indices", self.return_step_indices, steps)
         )
+        resume = self.resume_step
+        if resume is not None:
+            if isinstance(resume, bool) or not isinstance(resume, int) or not 0 <= resume < steps:
+                raise InvalidRequestError("rollout_resume_step", f"must be a step in [0, {steps - 1}], got {short_repr(resume)}")
+            before = [step for step in self.return_step_indices or () if step < resume]
+            if before:
+                raise InvalidRequestError(
+                    "rollout_return_step_indices",
+                    f"steps {before} are before rollout_resume_step {resume}: a resumed request has no latents before it",
+                )
 
     def to_plain(self) -> dict[str, Any]:
         """The options in JSON's and msgpack's types (enums by value, tuples as lists), field by
@@ -106,7 +121,7 @@ class SamplingOptions:
     def kept_latent_steps(self) -> tuple[int, ...]:
         """Absolute steps whose latents are returned, ascending; T is the final latent."""
         if self.return_step_indices is None:
-            return tuple(range(self.num_inference_steps + 1))
+            return tuple(range(self.resume_step or 0, self.num_inference_steps + 1))
         return self.return_step_indices
 
     def kept_tensor_bytes(self, latent_shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -16,11 +16,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.codec import most_encoded_tensor_bytes, most_encoded_text_bytes
+from rollout.codec import decode_tensor, most_encoded_tensor_bytes, most_encoded_text_bytes
 from rollout.cost import COST_UNIT, CostFacts, RequestCost
-from rollout.errors import InvalidRequestError, short_repr
+from rollout.errors import CodecError, InvalidRequestError, short_repr
 from rollout.input_images import ImageInputLimits, InputImage, input_images_per_prompt
 from rollout.options import MAX_SEED, SamplingOptions, check_seed
 from rollout.sampler import resolve_options
@@ -30,12 +31,14 @@ from rollout.tree import (
     FACTORS_FIELD,
     LOG_PROB_STD_FIELD,
     NOISE_SCALES_FIELD,
+    RESUME_LATENTS_FIELD,
     SHAPE_FIELD,
     STEPS_FIELD,
     Branching,
     BranchLogProbStd,
     BranchShape,
     TreeRoot,
+    check_resume_latent,
     roots_of,
 )
 from rollout.weights import weight_version_problem
@@ -145,6 +148,8 @@ class RolloutPlan:
         rewards: the scorers to score its samples with; None: no rewards.
         images: each sample's prompt's input images (`image_path`), one tuple per sample, the same
             tuple for every sample of a prompt; () for a request without images.
+        resume_latents: in a resumed request, each sample's prompt's latent at the resume step
+            (`rollout_resume_latents`), the same tensor for every sample of a prompt; () otherwise.
     """
 
     request_id: str
@@ -157,6 +162,7 @@ class RolloutPlan:
     branching: Branching = Branching()
     rewards: RewardPlan | None = None
     images: tuple[tuple[InputImage, ...], ...] = ()
+    resume_latents: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_outputs_per_prompt(self) -> int:
@@ -168,7 +174,9 @@ class RolloutPlan:
 
     def roots(self) -> list[TreeRoot]:
         """The request's samples as the roots they grow from, in request order (`rollout.tree`)."""
-        return roots_of(self.prompts, self.negative_prompts, self.seeds, self.branching, self.images or None)
+        return roots_of(
+            self.prompts, self.negative_prompts, self.seeds, self.branching, self.images or None, self.resume_latents or None
+        )
 
 
 def plan_rollout(
@@ -233,7 +241,35 @@ def plan_rollout(
         branching=_branching(request, options, max_batch_size),
         rewards=_rewards(request, scorers),
         images=tuple(images for images in prompt_images for _ in range(per_prompt)),
+        resume_latents=tuple(latent for latent in _resume_latents(request, len(prompts)) for _ in range(per_prompt)),
     )
+
+
+def _resume_latents(request: RolloutRequest, num_prompts: int) -> list[torch.Tensor]:
+    """The request's latents to resume from, one a prompt, decoded (never unpickled: a tensor
+    envelope, or a tensor through the handle); their shape and values are the model's to check
+    (`rollout.tree.check_resume_latent`, on the worker). [] for a request that starts from noise."""
+    latents, step = request.rollout_resume_latents, request.rollout_resume_step
+    if (latents is None) != (step is None):
+        given, missing = ("rollout_resume_step", "rollout_resume_latents") if latents is None else ("rollout_resume_latents", "rollout_resume_step")
+        raise InvalidRequestError(missing, f"needed with {given}: a resumed request starts at a step from a latent a prompt")
+    if latents is None:
+        return []
+    if len(latents) != num_prompts:
+        raise InvalidRequestError(RESUME_LATENTS_FIELD, f"needs one latent a prompt: {len(latents)} for {num_prompts} prompts")
+    decoded = []
+    for k, latent in enumerate(latents):
+        if isinstance(latent, dict):
+            try:
+                latent = decode_tensor(latent)
+            except CodecError as error:
+                raise InvalidRequestError(f"{RESUME_LATENTS_FIELD}[{k}]", str(error)) from None
+        if not isinstance(latent, torch.Tensor):
+            raise InvalidRequestError(
+                f"{RESUME_LATENTS_FIELD}[{k}]", f"must be a tensor envelope or a tensor, got {type(latent).__name__}"
+            )
+        decoded.append(latent)
+    return decoded
 
 
 def checked_cost(plan: RolloutPlan, facts: CostFacts, limits: RequestLimits) -> RequestCost:
@@ -265,6 +301,7 @@ def checked_against_model(
     samples_in_response: int,
     limits: RequestLimits,
     images: Sequence[tuple[InputImage, ...]] = (),
+    resume_latents: Sequence[torch.Tensor] = (),
 ) -> SamplingOptions:
     """The checks of a request's values that need the served model, which the ingress does not
     load: the worker makes them once, when a request's work arrives, before it is batched with
@@ -276,7 +313,8 @@ def checked_against_model(
     `true_cfg_scale` for a model without classifier-free guidance (FLUX.2's), a size
     or frame count it cannot make (`RolloutPipeline.latent_shape`), a step count its scheduler
     cannot make, or a response of more than `limits.max_response_bytes` over the
-    `samples_in_response` samples of the whole request (`most_response_bytes_per_row`)."""
+    `samples_in_response` samples of the whole request (`most_response_bytes_per_row`), or latents
+    to resume from (one per sample) that the model cannot take (`check_resume_latent`)."""
     model.check_prompts(prompts, negative_prompts)
     num_frames = model.default_num_frames if options.num_frames is None else options.num_frames
     model.condition_images.check(images, model.name, num_frames)
@@ -289,6 +327,8 @@ def checked_against_model(
     options = resolve_options(model, options)
     model.schedule(options.num_inference_steps, options.height, options.width, options.num_frames)
     latent_shape = model.latent_shape(options.height, options.width, options.num_frames)
+    for latent in {id(latent): latent for latent in resume_latents}.values():  # one a prompt
+        check_resume_latent(latent, latent_shape)
     per_row = most_response_bytes_per_row(model, options, latent_shape, prompts)
     total = sum(per_row.values()) * samples_in_response
     if total > limits.max_response_bytes:
@@ -419,6 +459,7 @@ def _sampling_options(request: RolloutRequest, steps: int) -> SamplingOptions:
         guidance_scale=request.guidance_scale,
         true_cfg_scale=request.true_cfg_scale,
         guidance_scale_2=request.guidance_scale_2,
+        resume_step=request.rollout_resume_step,
     )
     if not request.rollout:  # evaluation: the deterministic sampler, images only
         return SamplingOptions(**common, sde_type=TransitionKind.ODE, return_step_indices=())

@@ -35,7 +35,7 @@ from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions, check_seed
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import RolloutBatch, SampleTrajectory, StepDebug
-from rollout.tree import Branching, TreeRoot, roots_of
+from rollout.tree import RESUME_LATENTS_FIELD, Branching, TreeRoot, check_resume_latent, roots_of
 from rollout.transitions import HeldFrames, Transition, TransitionKind, noise_std_of, take_steps
 
 
@@ -283,14 +283,14 @@ class _TreeRun:
         branch at `first_step` (`after_branch`) runs to the branch step after it; one started
         before `first_step`'s velocity (the first, or one that drops abandoned roots) ends at a
         branch at `first_step` itself, with no transition of its own."""
-        # x_0 is the first epoch's alone: an epoch that starts at a branch at step 0 also has
-        # first_step 0, and keeps only the latents after its transitions, as every later one does.
+        # x_0 (a resumed call's x_s) is the first epoch's alone: an epoch that starts at a branch at
+        # that step also has it as first_step, and keeps only the latents after its transitions.
         end = min(
             (step for step in self.branch_steps if step > first_step or (step == first_step and not after_branch)),
             default=self.options.num_inference_steps,
         )
         first_epoch = not self.epochs
-        latent_steps = [step for step in self.kept_steps if first_step < step <= end or (step == 0 and first_epoch)]
+        latent_steps = [step for step in self.kept_steps if first_step < step <= end or (step == first_step and first_epoch)]
         rows, steps = len(nodes), end - first_step
         debug = None
         if self.options.debug:
@@ -350,6 +350,8 @@ def sample_tree(
     """
     run = _prepare(pipeline, roots, options)
     x_t, transformer_rows = _denoise(pipeline, run, abandoned or frozenset)
+    if run.noise_stds is not None:  # a resumed call's steps before its resume step: none taken
+        run.noise_stds[: run.options.resume_step or 0].zero_()
     samples = _decoded_leaves(pipeline, run, x_t, weight_version)
     batch = RolloutBatch(schedule=run.schedule, options=run.options, model=pipeline.name, samples=samples)
     live_roots = {node.root for node in run.epochs[-1].nodes}
@@ -372,6 +374,8 @@ def _prepare(pipeline: RolloutPipeline, roots: Sequence[TreeRoot], options: Samp
     for paths in root_paths:
         if len(set(paths)) != len(paths):
             raise InvalidRequestError("branch_path", "a root grows each leaf once")
+    for root in roots:
+        _check_resume(root, options, latent_shape)
     prompts, negatives = [root.prompt for root in roots], [root.negative_prompt for root in roots]
     images = [root.images for root in roots]
     conditioning = pipeline.encode_prompts(prompts, negatives, options, images).map(lambda t: t.cpu())
@@ -394,6 +398,19 @@ def _prepare(pipeline: RolloutPipeline, roots: Sequence[TreeRoot], options: Samp
     )
 
 
+def _check_resume(root: TreeRoot, options: SamplingOptions, latent_shape: tuple[int, ...]) -> None:
+    """Raises `InvalidRequestError` naming ``rollout_resume_latents`` unless `root` has a latent to
+    resume from exactly where the options resume (`rollout.tree.check_resume_latent`), and its
+    leaves share their node at that step."""
+    if (root.resume_latents is None) != (options.resume_step is None):
+        raise InvalidRequestError(
+            RESUME_LATENTS_FIELD, "a resumed request (rollout_resume_step) needs a latent for every root, and only it"
+        )
+    if root.resume_latents is not None:
+        check_resume_latent(root.resume_latents, latent_shape)
+        root.leaves_at(options.resume_step)
+
+
 def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots) -> tuple[torch.Tensor, int]:
     """Stage 2: every root from its initial noise to its last step, its nodes branching at the
     branch steps and leaving where their root is abandoned; returns the final latents of the last
@@ -406,14 +423,18 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
         _Node(r, (), run.root_paths[r], torch.Generator(device="cpu").manual_seed(root.seed))
         for r, root in enumerate(run.roots)
     ]
-    epoch = run.start_epoch(0, nodes, None, after_branch=False)
+    x_t = _draw_noise([node.generator for node in nodes], run.latent_shape, device)
+    start = options.resume_step or 0
+    if start:  # each root's node at the resume step, its generator where it was there; its latent
+        nodes = _skipped_to(run, nodes, start)
+        x_t = torch.stack([run.roots[node.root].resume_latents for node in nodes]).to(device)
+    epoch = run.start_epoch(start, nodes, None, after_branch=False)
     padded_conditioning, held = run.taken_by(pipeline, nodes)
     transformer_rows = 0
-    x_t = _draw_noise([node.generator for node in nodes], run.latent_shape, device)
     if held is not None:  # as the pipeline's first model input
         x_t = held.hold(x_t)
-    _keep(epoch, 0, x_t)
-    for step in range(options.num_inference_steps + 1):
+    _keep(epoch, start, x_t)
+    for step in range(start, options.num_inference_steps + 1):
         if kept := _rows_still_wanted(epoch.nodes, abandoned()):
             run.end_epoch_at(step)
             nodes = [epoch.nodes[row] for row in kept]
@@ -456,6 +477,20 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
         if options.debug:
             _keep_debug(run, epoch, step, v, transition, noise)
     return x_t, transformer_rows
+
+
+def _skipped_to(run: _TreeRun, nodes: list[_Node], start: int) -> list[_Node]:
+    """The nodes at step `start` of a resumed call (one a root: `TreeRoot.leaves_at`), their
+    generators advanced by every draw the steps before it make: the branches and draws of those
+    steps, without the model."""
+    for step in range(start):
+        if step in run.branch_steps:
+            nodes, _ = _branch(run.roots, nodes, step)
+        kinds = [run.roots[node.root].branching.transition_at(run.options, step, node.path) for node in nodes]
+        for node, kind in zip(nodes, kinds):
+            if kind.draws_noise:
+                torch.randn(run.latent_shape, generator=node.generator, dtype=torch.float32)
+    return nodes
 
 
 def _drawn_noise(run: _TreeRun, nodes: list[_Node], kinds: list[TransitionKind], step: int) -> torch.Tensor | None:
@@ -539,7 +574,7 @@ def _decoded_leaves(
             rows = rows_of_leaf[row]
             debug = None
             if run.options.debug:
-                velocities, means, noises = (_along(run.epochs, rows, lambda e, i=i: e.debug[i]) for i in range(3))
+                velocities, means, noises = (_along(run, rows, lambda e, i=i: e.debug[i]) for i in range(3))
                 debug = StepDebug(velocities, means, run.noise_stds, noises)
             samples.append(
                 SampleTrajectory(
@@ -549,8 +584,8 @@ def _decoded_leaves(
                     seed=root.seed + root.branching.offset(path),
                     image=images[row],
                     final_latents=final_latents[row],
-                    log_probs=_along(run.epochs, rows, lambda e: e.log_probs),
-                    latents=_along(run.epochs, rows, lambda e: e.latents),
+                    log_probs=_along(run, rows, lambda e: e.log_probs),
+                    latents=_along(run, rows, lambda e: e.latents, per_step=False),
                     latent_step_indices=latent_step_indices,
                     weight_version=weight_version,
                     debug=debug,
@@ -601,9 +636,12 @@ def _rows_in_each_epoch(epochs: list[_Epoch]) -> list[list[int]]:
     return rows
 
 
-def _along(epochs: list[_Epoch], rows: list[int], buffer_of) -> torch.Tensor:
+def _along(run: _TreeRun, rows: list[int], buffer_of, per_step: bool = True) -> torch.Tensor:
     """A leaf's tensor along its path: its rows of each epoch's buffer, joined on the step axis (a
-    view of the buffer when there is one epoch)."""
-    if len(epochs) == 1:
-        return buffer_of(epochs[0])[rows[0]]
-    return torch.cat([buffer_of(e)[row] for e, row in zip(epochs, rows)])
+    view of the buffer when there is one epoch). A tensor `per_step` of a resumed call starts with
+    zeros for the steps before its resume step, which it did not take."""
+    parts = [buffer_of(e)[row] for e, row in zip(run.epochs, rows)]
+    skipped = run.options.resume_step or 0
+    if per_step and skipped:
+        parts.insert(0, parts[0].new_zeros((skipped, *parts[0].shape[1:])))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

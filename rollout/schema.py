@@ -110,6 +110,16 @@ class RolloutRequest(BaseModel):
         description="(extension) Per branch step, the factor on the noise each child draws there (BranchGRPO's "
         "tree_split_noise_scale). Default: 1 at each.",
     )
+    rollout_resume_step: int | None = Field(
+        None,
+        description="(extension) Resume from returned nodes: start at this step from rollout_resume_latents, "
+        "with the seed, branch fields and steps before it of the request that sampled them (rollout/tree.py).",
+    )
+    rollout_resume_latents: Items[Any] | None = Field(
+        None,
+        description="(extension) One latent a prompt, x_s at rollout_resume_step: a tensor envelope (a tensor "
+        "through the handle), float32, of the model's latent shape for the request's size.",
+    )
     rollout_branch_shape: str | None = Field(
         None,
         description="(extension) tree (default): every node branches at each branch step; comb (TempFlow-GRPO's): "

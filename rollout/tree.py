@@ -44,10 +44,13 @@ T - 1 - s_d; one request per branch step instead would recompute the spine up to
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
+
+import torch
 
 from rollout.errors import InvalidRequestError, short_repr
 from rollout.options import SamplingOptions
@@ -61,6 +64,7 @@ FACTORS_FIELD = "rollout_branch_factors"
 NOISE_SCALES_FIELD = "rollout_branch_noise_scales"
 LOG_PROB_STD_FIELD = "rollout_branch_log_prob_std"
 SHAPE_FIELD = "rollout_branch_shape"
+RESUME_LATENTS_FIELD = "rollout_resume_latents"
 # The largest noise scale of a branch step: BranchGRPO's scripts use 4; past this a child's latents
 # are noise, not an exploration around its parent's mean.
 MAX_NOISE_SCALE = 100.0
@@ -306,6 +310,8 @@ class TreeRoot:
             in order (leaf number 0 .. L - 1).
         images: its prompt's input images (an image-conditioned model's), the same tuple for every
             root of the prompt; () for a text prompt.
+        resume_latents: in a resumed request (`SamplingOptions.resume_step`), the latent x_s at
+            that step of the node its leaves share there: where it starts.
     """
 
     prompt: str
@@ -314,6 +320,7 @@ class TreeRoot:
     branching: Branching = Branching()
     paths: tuple[tuple[int, ...], ...] | None = None
     images: tuple[InputImage, ...] = ()
+    resume_latents: torch.Tensor | None = field(default=None, compare=False)
 
     def leaf_paths(self) -> tuple[tuple[int, ...], ...]:
         if self.paths is None:
@@ -332,6 +339,39 @@ class TreeRoot:
             images=leaf.condition_images,
         )
 
+    @classmethod
+    def resumed_from(cls, leaf, step: int) -> "TreeRoot":
+        """The root that grows `leaf` (a `SampleTrajectory`) alone from its latent at `step`, in a
+        request with `SamplingOptions.resume_step` `step`: with the leaf's own options, the same
+        bits from there on."""
+        kept = leaf.latent_step_indices.tolist()
+        if step not in kept:
+            raise InvalidRequestError("rollout_resume_step", f"the leaf keeps no latent at step {step} (it keeps {kept})")
+        return dataclasses.replace(cls.of_leaf(leaf), resume_latents=leaf.latents[kept.index(step)])
+
+    def leaves_at(self, step: int) -> tuple[int, ...]:
+        """The path of the node whose latent x_step all its leaves share: raises
+        `InvalidRequestError` naming ``branch_path`` where they part before it."""
+        depth = sum(branch_step < step for branch_step in self.branching.steps)
+        prefixes = {path[:depth] for path in self.leaf_paths()}
+        if len(prefixes) > 1:
+            raise InvalidRequestError(
+                "branch_path", f"a resumed root grows leaves of one node at step {step}; these part before it: {sorted(prefixes)}"
+            )
+        return prefixes.pop()
+
+
+def check_resume_latent(latent: torch.Tensor, latent_shape: tuple[int, ...]) -> None:
+    """Raises `InvalidRequestError` naming ``rollout_resume_latents`` unless `latent` is one the
+    model can resume from: fp32, of its latent shape for the request's size, and finite."""
+    if tuple(latent.shape) != tuple(latent_shape) or latent.dtype != torch.float32:
+        raise InvalidRequestError(
+            RESUME_LATENTS_FIELD,
+            f"must be float32 latents of shape {list(latent_shape)} for this size, got {list(latent.shape)} {latent.dtype}",
+        )
+    if not torch.isfinite(latent).all():
+        raise InvalidRequestError(RESUME_LATENTS_FIELD, "must be finite: a latent holds NaN or infinite values")
+
 
 def roots_of(
     prompts: Sequence[str],
@@ -339,10 +379,12 @@ def roots_of(
     seeds: Sequence[int],
     branching: Branching,
     images: Sequence[tuple[InputImage, ...]] | None = None,
+    resume_latents: Sequence[torch.Tensor] | None = None,
 ) -> list[TreeRoot]:
     """A request's samples (leaves, request order) as its roots: blocks of `leaves_per_root`
     consecutive samples, each block one prompt (with its input `images`, one tuple per sample,
-    shared by a prompt's samples; None: no images) and consecutive seeds."""
+    shared by a prompt's samples; None: no images; and in a resumed request its latent at the
+    resume step, one per sample likewise) and consecutive seeds."""
     images = [()] * len(seeds) if images is None else images
     per_root = branching.leaves_per_root
     if len(seeds) % per_root:
@@ -362,5 +404,6 @@ def roots_of(
             )
         if any(seeds[i] != seeds[start] + i - start for i in block):
             raise InvalidRequestError("seed", f"the {per_root} samples of a root need consecutive seeds")
-        roots.append(TreeRoot(prompts[start], negative_prompts[start], seeds[start], branching, images=images[start]))
+        resume = None if resume_latents is None else resume_latents[start]
+        roots.append(TreeRoot(prompts[start], negative_prompts[start], seeds[start], branching, images=images[start], resume_latents=resume))
     return roots

@@ -2,18 +2,22 @@
 children that differ from their branch step on, the noise derivation, the cost, and every
 guarantee of unbranched sampling."""
 
+import dataclasses
+import json
 import math
 import pickle
+import re
 
 import numpy as np
 import pytest
 import torch
 
+from rollout.codec import encode_tensor
 from rollout.errors import InvalidRequestError
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
 from rollout.options import SamplingOptions
-from rollout.plan import RequestLimits, plan_rollout
+from rollout.plan import RequestLimits, checked_against_model, plan_rollout
 import rollout.replay as replay_module
 from rollout.replay import node_transition_log_probs, replay_log_probs
 from rollout.sampler import micro_batch_size, resolve_options, sample, sample_tree
@@ -422,3 +426,108 @@ def test_bad_comb_fields_are_refused_by_name(fields, field, reason):
     with pytest.raises(InvalidRequestError, match="needs rollout_branch_steps") as caught:
         plan_rollout(parse_request({"prompt": "3", "rollout_branch_shape": "comb"}), RequestLimits())
     assert caught.value.field == "rollout_branch_shape"
+
+
+# Resuming from a returned node (TurningPoint-GRPO, G2RPO): a request that starts at a step from its latent --
+
+
+def resumed(pipeline, leaf, step, options=OPTIONS):
+    """`leaf` grown again from its latent at `step`, with its request's options resumed there; and
+    the call."""
+    call = grow(pipeline, [TreeRoot.resumed_from(leaf, step)], dataclasses.replace(options, resume_step=step))
+    return call.batch.samples[0], call
+
+
+@pytest.mark.parametrize("step", [0, 2, 3, STEPS - 1])
+def test_a_leaf_resumed_from_its_node_with_its_own_tail_is_the_same_leaf_from_there(random_pipeline, step):
+    roots = [TreeRoot("6", "", 20, TWO_LEVELS), TreeRoot("3", "", 40, COMB), TreeRoot("8", "", 60)]
+    leaves = grow(random_pipeline, roots).batch.samples
+    kernels = load_pipeline(micro_batching=MicroBatching(8, invariance="kernels"))
+    for leaf in leaves:
+        again, call = resumed(random_pipeline, leaf, step)
+        assert torch.equal(again.latents, leaf.latents[step:]) and torch.equal(again.image, leaf.image)
+        assert torch.equal(again.log_probs[step:], leaf.log_probs[step:]) and not again.log_probs[:step].any()
+        for name in ("model_outputs", "prev_sample_means", "variance_noises", "noise_std_devs"):
+            assert torch.equal(getattr(again.debug, name)[step:], getattr(leaf.debug, name)[step:]), name
+            assert not getattr(again.debug, name)[:step].any(), name  # steps it did not take
+        assert again.latent_step_indices.tolist() == list(range(step, STEPS + 1))
+        replayed = replay_log_probs(random_pipeline, again.schedule, call.batch.options, [again])
+        assert torch.equal(replayed.log_probs[0], again.log_probs[step:])
+    # The transformer runs the steps from the resume step only: a plain sample's T - s.
+    _, call = resumed(kernels, grow(kernels, roots[2:]).batch.samples[0], step)
+    assert call.transformer_rows == STEPS - step
+
+
+def test_a_node_resumed_with_an_ode_tail_is_turningpoint_grpos_continuation(random_pipeline):
+    """TurningPoint-GRPO scores each node of an SDE trajectory by its ODE continuation: the same
+    request resumed at the node with no stochastic step from there on."""
+    (leaf,) = grow(random_pipeline, [TreeRoot("5", "", 7)]).batch.samples
+    sigmas = leaf.schedule.sigmas.double().numpy()
+    for step in (1, 3):
+        ode_tail = dataclasses.replace(OPTIONS, sde_step_indices=tuple(range(step)))  # the window before it, as sampled
+        tail, _ = resumed(random_pipeline, leaf, step, ode_tail)
+        assert torch.equal(tail.latents[0], leaf.latents[step]) and not tail.log_probs.any()
+        assert not torch.equal(tail.image, leaf.image)  # the SDE's draws are gone
+        for k, at in enumerate(range(step, STEPS)):
+            x, v = tail.latents[k].double().numpy(), tail.debug.model_outputs[at].double().numpy()
+            euler, _, _ = reference_step("ode", x, v, sigmas[at], sigmas[at + 1], 0.7, sigmas[1], 0)
+            assert_mean_close("ode", tail.latents[k + 1].double().numpy(), euler, x, v, sigmas[at], sigmas[at + 1], 0.7)
+
+
+def test_roots_resumed_from_one_node_with_their_own_seeds_explore_from_it(random_pipeline):
+    """G2RPO-style: one node, several tails; each root's generator is its own seed's, advanced as
+    the request's steps before the node draw."""
+    (leaf,) = grow(random_pipeline, [TreeRoot("2", "", 300)]).batch.samples
+    request = {"prompt": "2", "num_outputs_per_prompt": 3, "num_inference_steps": STEPS, "seed": 300, "rollout_debug_mode": True,
+               "rollout_return_dit_trajectory": True,
+               "rollout_resume_step": 3, "rollout_resume_latents": [encode_tensor(leaf.latents[3], binary=False)]}  # fmt: skip
+    plan = plan_rollout(parse_request(json.loads(json.dumps(request))), RequestLimits())
+    tails = grow(random_pipeline, plan.roots(), plan.options).batch.samples
+    assert torch.equal(tails[0].latents, leaf.latents[3:])  # seed 300's tail is the leaf's own
+    assert all(torch.equal(tail.latents[0], leaf.latents[3]) for tail in tails)
+    assert not torch.equal(tails[1].latents[1], tails[2].latents[1])
+
+
+@pytest.mark.parametrize(
+    "fields, field, reason",
+    [
+        ({"rollout_resume_step": 2}, "rollout_resume_latents", "needed with rollout_resume_step"),
+        ({"rollout_resume_latents": ["LATENT"]}, "rollout_resume_step", "needed with rollout_resume_latents"),
+        ({"rollout_resume_step": 6, "rollout_resume_latents": ["LATENT"]}, "rollout_resume_step", "must be a step in [0, 5], got 6"),
+        ({"rollout_resume_step": 2, "rollout_resume_latents": ["LATENT", "LATENT"]}, "rollout_resume_latents",
+         "needs one latent a prompt: 2 for 1 prompts"),
+        ({"rollout_resume_step": 2, "rollout_resume_latents": [{"__tensor__": True, "data": "%%"}]}, "rollout_resume_latents[0]",
+         "not valid base64"),
+        ({"rollout_resume_step": 2, "rollout_resume_latents": [3]}, "rollout_resume_latents[0]", "must be a tensor envelope or a tensor"),
+        ({"rollout_resume_step": 2, "rollout_resume_latents": ["LATENT"], "rollout_return_step_indices": [1, 4]},
+         "rollout_return_step_indices", "steps [1] are before rollout_resume_step 2"),
+    ],
+)  # fmt: skip
+def test_bad_resume_fields_are_refused_by_name(fields, field, reason):
+    latent = encode_tensor(torch.zeros(4, 8, 8), binary=False)
+    fields = {name: [latent if v == "LATENT" else v for v in value] if isinstance(value, list) and name.endswith("latents") else value
+              for name, value in fields.items()}  # fmt: skip
+    request = {"prompt": "3", "num_inference_steps": STEPS, "rollout_return_dit_trajectory": True, **fields}
+    with pytest.raises(InvalidRequestError) as caught:
+        plan_rollout(parse_request(request), RequestLimits())
+    assert caught.value.field == field and reason in caught.value.reason
+
+
+def test_latents_the_model_cannot_resume_from_are_refused_before_sampling(random_pipeline):
+    (leaf,) = grow(random_pipeline, [TreeRoot("2", "", 5)]).batch.samples
+    options = resolve_options(random_pipeline, dataclasses.replace(OPTIONS, resume_step=2))
+    latent_shape = random_pipeline.latent_shape(options.height, options.width)
+    for latent, reason in (
+        (torch.zeros(3, 8, 8), f"must be float32 latents of shape {list(latent_shape)} for this size, got [3, 8, 8]"),
+        (leaf.latents[2].double(), "torch.float64"),
+        (torch.full(latent_shape, float("nan")), "must be finite"),
+    ):
+        with pytest.raises(InvalidRequestError, match=re.escape(reason)) as caught:
+            checked_against_model(random_pipeline, options, ["2"], [""], 1, RequestLimits(), resume_latents=[latent])
+        assert caught.value.field == "rollout_resume_latents"
+        with pytest.raises(InvalidRequestError, match=re.escape(reason)):
+            grow(random_pipeline, [dataclasses.replace(TreeRoot("2", "", 5), resume_latents=latent)], options)
+    with pytest.raises(InvalidRequestError, match="these part before it") as caught:  # leaves of two nodes at step 5
+        grow(random_pipeline, [TreeRoot("1", "", 0, TWO_LEVELS, paths=((0, 0), (1, 0)), resume_latents=leaf.latents[2])],
+             dataclasses.replace(OPTIONS, resume_step=5))  # fmt: skip
+    assert caught.value.field == "branch_path"

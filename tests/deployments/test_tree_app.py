@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rollout.client import RolloutClient
+from rollout.codec import encode_tensor
 from rollout.cost import TransformerCost
 from rollout.micro_batching import MicroBatching
 from rollout.models.registry import load_pipeline
@@ -140,6 +141,42 @@ def test_an_unbranched_request_without_padding_costs_its_unbranched_figure(http,
     for accept in ENCODINGS:
         rows = post(http, base_url, body, accept)
         assert {(row["transformer_rows"], row["transformer_rows_unbranched"]) for row in rows} == {(96, 96)}
+
+
+def test_a_comb_is_served_as_the_library_grows_it(http, base_url, handle):
+    comb = {"prompt": "5", "num_outputs_per_prompt": 4, "num_inference_steps": 6, "seed": 40, "rollout_branch_shape": "comb",
+            "rollout_branch_steps": [1, 3], "rollout_branch_factors": [2, 1], "rollout_return_dit_trajectory": True}  # fmt: skip
+    rows = post(http, base_url, comb)
+    assert [row["branch_path"] for row in rows] == [[0, 0], [1], [2], [0, 1]]  # the spine, then step by step
+    assert [row["branch_seeds"] for row in rows] == [[40, 40, 40], [40, 41], [40, 42], [40, 40, 43]]
+    library = load_pipeline(micro_batching=MicroBatching(16))
+    root = TreeRoot("5", "", 40, Branching((1, 3), (2, 1), shape="comb"))
+    local = sample_tree(library, [root], SamplingOptions(num_inference_steps=6)).batch
+    for row, leaf in zip(rows, local.samples, strict=True):
+        assert torch.equal(row["dit_trajectory"]["latents"], leaf.latents)
+        assert torch.equal(row["rollout_log_probs"], leaf.log_probs)
+    assert not rows[0]["rollout_log_probs"].any()  # the spine runs by ODE
+    assert_same_batch(handle.generate.remote(comb).result().batch(), local)
+
+
+@pytest.mark.parametrize("accept", ENCODINGS)
+def test_a_node_resumed_over_http_from_its_row_gives_its_rows_bits_from_there(http, base_url, accept):
+    """The request that sampled a row, sent again from its latent at step 3 (a tensor envelope in
+    the JSON body): the same bits from there on; with an ODE tail, TurningPoint-GRPO's continuation."""
+    body = {"prompt": ["2", "9"], "num_inference_steps": 6, "seed": 80, "rollout_return_dit_trajectory": True}
+    rows = post(http, base_url, body, accept)
+    envelopes = [encode_tensor(row["dit_trajectory"]["latents"][3], binary=False) for row in rows]
+    resumed = post(http, base_url, {**body, "rollout_resume_step": 3, "rollout_resume_latents": envelopes}, accept)
+    for row, again in zip(rows, resumed, strict=True):
+        assert torch.equal(again["dit_trajectory"]["latents"], row["dit_trajectory"]["latents"][3:])
+        assert torch.equal(again["rollout_log_probs"][3:], row["rollout_log_probs"][3:])
+        assert torch.equal(again["generated_output"], row["generated_output"])
+        assert again["transformer_rows"] < row["transformer_rows"]  # the steps before it are not run
+    ode_tail = {**body, "rollout_sde_step_indices": [0, 1, 2], "rollout_resume_step": 3, "rollout_resume_latents": envelopes}
+    tails = post(http, base_url, ode_tail, accept)
+    assert all(not tail["rollout_log_probs"].any() for tail in tails)
+    response = http.post(f"{base_url}/rollout/generate", json={**body, "rollout_resume_step": 3, "rollout_resume_latents": envelopes[:1]})
+    assert response.status_code == 400 and response.json()["error"]["field"] == "rollout_resume_latents"
 
 
 @pytest.mark.parametrize(
