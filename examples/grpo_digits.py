@@ -31,7 +31,8 @@ model's 10 steps): one tree a prompt, DanceGRPO's SDE (eta 0.3) on every step, s
 of its leaves', advantages are z-scored per depth over the tree, and every edge of the tree is
 trained once (`rollout.replay.node_transition_log_probs`), not once per leaf below it.
 `--algorithm tempflow` is TempFlow-GRPO's: one comb a prompt (`rollout_branch_shape: "comb"`), its
-spine sampled by ODE, and at steps 0, 2, 4 and 6 `--group-size` children, each one Flow-GRPO SDE
+spine sampled by ODE, and at steps 0, 2, 4 and 6 (`--comb-branch-steps` of them) `--group-size`
+children, each one Flow-GRPO SDE
 step from the spine and an ODE tail; a step's children are a group (their rewards z-scored among
 them), only their stochastic step is trained, and each step's loss is weighted by its noise std
 over the mean of those of the steps trained (TempFlow-GRPO's noise-aware weighting, in that form).
@@ -66,9 +67,6 @@ TITLES = {"flow-grpo": "Flow-GRPO", "branchgrpo": "BranchGRPO", "tempflow": "Tem
 # BranchGRPO's splits (0, 3, 6, 9 of 20 steps) at the digits model's 10: 2 x 2 x 2 = 8 leaves a root.
 BRANCHGRPO_SPLITS = [0, 3, 6]
 BRANCHGRPO_ETA = 0.3  # DanceGRPO's, which BranchGRPO keeps
-# TempFlow-GRPO's comb branches at every step; at the digits model's 10, every other step of the
-# first 7 keeps a root of 1 + 4 K leaves within a worker's batch.
-TEMPFLOW_STEPS = [0, 2, 4, 6]
 
 
 @dataclass
@@ -90,6 +88,13 @@ class GRPOConfig:
     seed: int = 0
     algorithm: str = "flow-grpo"
     split_noise_scale: float = 4.0
+    # TempFlow-GRPO's comb branches at every step; at the digits model's 10, every other step from
+    # 0 (0, 2, 4, 6) keeps a root of 1 + 4 x group_size leaves within a worker's batch.
+    comb_branch_steps: int = 4
+
+    @property
+    def comb_steps(self) -> list[int]:
+        return list(range(0, 2 * self.comb_branch_steps, 2))
 
 
 class Trainer:
@@ -224,8 +229,8 @@ def per_depth_advantages(nodes: list[TreeNode], rewards: torch.Tensor) -> list[f
 
 def sibling_groups(batch: RolloutBatch, rewards: torch.Tensor) -> dict[int, tuple[list[int], torch.Tensor]]:
     """TempFlow-GRPO's groups: the children a comb's spine grew at one branch step (the spine's
-    own next node, child 0, is not one of them), their rewards z-scored among them; by step, over
-    every prompt's comb, as batch indices and advantages."""
+    own next node, child 0, is not one of them), their rewards z-scored among them (0 for a child
+    alone); by step, over every prompt's comb, as batch indices and advantages."""
     nodes = batch.tree()
     groups: dict[int, tuple[list[int], list[float]]] = {}
     for node in nodes:
@@ -236,13 +241,14 @@ def sibling_groups(batch: RolloutBatch, rewards: torch.Tensor) -> dict[int, tupl
         values = rewards[leaves]
         step_leaves, step_advantages = groups.setdefault(children[0].steps.start, ([], []))
         step_leaves += leaves
-        step_advantages += ((values - values.mean()) / (values.std() + 1e-8)).tolist()
+        alone = len(values) == 1  # a group of one child has nothing to be compared with
+        step_advantages += [0.0] if alone else ((values - values.mean()) / (values.std() + 1e-8)).tolist()
     return {step: (leaves, torch.tensor(advantages)) for step, (leaves, advantages) in sorted(groups.items())}
 
 
 def outputs_per_prompt(config: GRPOConfig) -> int:
     """A comb's leaves (its spine and `group_size` children at each branch step), else the group."""
-    return 1 + config.group_size * len(TEMPFLOW_STEPS) if config.algorithm == "tempflow" else config.group_size
+    return 1 + config.group_size * len(config.comb_steps) if config.algorithm == "tempflow" else config.group_size
 
 
 def rollout_fields(config: GRPOConfig, window: list[int]) -> dict:
@@ -251,8 +257,8 @@ def rollout_fields(config: GRPOConfig, window: list[int]) -> dict:
         return {
             "rollout_noise_level": config.noise_level,
             "rollout_branch_shape": "comb",
-            "rollout_branch_steps": TEMPFLOW_STEPS,
-            "rollout_branch_factors": [config.group_size] * len(TEMPFLOW_STEPS),
+            "rollout_branch_steps": config.comb_steps,
+            "rollout_branch_factors": [config.group_size] * len(config.comb_steps),
             "rollout_return_dit_trajectory": True,
         }
     if config.algorithm == "branchgrpo":
