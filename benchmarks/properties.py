@@ -716,7 +716,7 @@ REGRESSIONS = (
     # Qwen-Image-Edit's prompts in two text buckets: the checker held the rows of its calls apart to
     # the rows told, as it did for Qwen-Image's alone (the cost's one approximation: rollout/cost.py).
     _regression("qwenimage_edit", {"prompt": ["a cat", "two dogs on the grass at night"], "seed": 0, "num_inference_steps": 2,
-                                   "image_path": [_png_data_uri(72, 136, 0), _png_data_uri(72, 136, 1)], "height": 32,
+                                   "image_path": [_png_data_uri(16, 16, 0), _png_data_uri(16, 16, 1)], "height": 32,
                                    "width": 32, "rollout_debug_mode": False, "num_outputs_per_prompt": 1}),
     # A served LoRA on Wan at 1 frame: the second sample of a padded call of 2 got other bits than
     # alone. Once open, it holds with the dependencies a fresh setup installed on

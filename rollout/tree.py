@@ -40,6 +40,11 @@ s_2's, ...: the leaf (0, ..., 0, k) of length d is number 1 + K_1 + ... + K_{d-1
 follow the rule above: the spine keeps the root's generator, each child starts one seeded with its
 own seed, whose one draw is its stochastic step's noise. The spine runs T rows, a child of s_d
 T - 1 - s_d; one request per branch step instead would recompute the spine up to s_d each time.
+
+Resuming (`SamplingOptions.resume_step` s, each root's `resume_latents` x_s): a root's generators
+are a function of its seed, its branching and the options' steps before s, so a resumed call
+makes those steps' branches and draws again without the model and starts the loop at s from the
+given latent; with the options that sampled it, a leaf comes back bit for bit from s on.
 """
 
 from __future__ import annotations

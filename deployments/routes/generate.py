@@ -49,10 +49,15 @@ class GenerateRoutes:
         )
 
     async def _planned(self, request: RolloutRequest | dict[str, Any]) -> RolloutPlan:
-        """`_plan`, on a thread where the request has input images: decoding a large one takes a
-        while, and the ingress's event loop serves every other request meanwhile."""
-        images = request.get("image_path") if isinstance(request, dict) else getattr(request, "image_path", None)
-        if images is None:
+        """`_plan`, on a thread where the request has input images or latents to resume from:
+        decoding a large one takes a while, and the ingress's event loop serves every other
+        request meanwhile."""
+        decoded = ("image_path", "rollout_resume_latents")
+        if isinstance(request, dict):
+            inputs = [request.get(name) for name in decoded]
+        else:
+            inputs = [getattr(request, name, None) for name in decoded]
+        if all(value is None for value in inputs):
             return self._plan(request)
         return await asyncio.to_thread(self._plan, request)
 
