@@ -58,8 +58,8 @@ from deployments.client import get_or_deploy_app, push_weights
 from rollout.models.digits import digit_prompt
 from rollout.models.registry import load_pipeline
 from rollout.replay import node_transition_log_probs, transition_log_probs
+from rollout.sampler import request_noise_std
 from rollout.trajectory import RolloutBatch, TreeNode
-from rollout.transitions import noise_std_of
 
 LORA_LAYERS = ["to_q", "to_k", "to_v", "to_out.0"]
 ALGORITHMS = ("flow-grpo", "branchgrpo", "tempflow")
@@ -186,11 +186,8 @@ class Trainer:
         stochastic transition of its children (`groups`: step -> their batch indices and
         advantages), weighted by the step's noise std over the mean of the steps'; the first
         step's max |new - old| log-prob."""
-        config, options, sigmas = self.config, batch.options, batch.schedule.sigmas
-        stds = {
-            step: noise_std_of(options.transition_at(step), sigmas[step], sigmas[step + 1], eta=options.noise_level, sigma_after_one=sigmas[1]).item()
-            for step in groups
-        }  # fmt: skip
+        config, options = self.config, batch.options
+        stds = {step: request_noise_std(options, batch.schedule.sigmas, step).item() for step in groups}
         first_step_error, steps = None, 0
         for _ in range(config.inner_epochs):
             for step, (leaves, advantages) in groups.items():

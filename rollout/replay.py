@@ -19,10 +19,10 @@ from rollout.errors import InvalidRequestError
 from rollout.kernels import LinearAsWithoutGradients
 from rollout.models.base import RolloutPipeline
 from rollout.options import SamplingOptions
-from rollout.sampler import pad_buckets, predict_velocity
+from rollout.sampler import pad_buckets, predict_velocity, request_noise_std
 from rollout.schedule import ScheduleSnapshot
 from rollout.trajectory import RolloutBatch, SampleTrajectory, TreeNode
-from rollout.transitions import noise_std_of, take_steps
+from rollout.transitions import take_steps
 
 
 @dataclass(frozen=True)
@@ -162,10 +162,7 @@ def replayed_transitions(
             log_prob_std_scales=[sample.branching.log_prob_std_scale_at(step) for sample in samples],
         )
         transitions.append(transition)
-        # The request's std at the step, as the debug tensors' `noise_std_devs`, whichever rows took
-        # it: a comb's rows of an ODE step there have log-prob 0.
-        kind = options.transition_at(step)
-        stds.append(noise_std_of(kind, sigmas[step], sigmas[step + 1], eta=options.noise_level, sigma_after_one=sigmas[1]))
+        stds.append(request_noise_std(options, sigmas, step))
     if not transitions:
         empty = latents.new_zeros(len(samples), 0)
         return ReplayedTransitions(empty, latents[:, :0], latents.new_zeros(0))

@@ -451,12 +451,11 @@ def _denoise(pipeline: RolloutPipeline, run: _TreeRun, abandoned: AbandonedRoots
             epoch = run.start_epoch(step, nodes, parent, after_branch=True)
             x_t, v = x_t[parent.to(x_t.device)], v[parent.to(v.device)]
             padded_conditioning, held = run.taken_by(pipeline, nodes)
-        branchings = [run.roots[node.root].branching for node in nodes]
-        kinds = [b.transition_at(options, step, node.path) for b, node in zip(branchings, nodes)]
+        kinds = _kinds(run, nodes, step)
         noise = _drawn_noise(run, nodes, kinds, step)
         log_prob_std_scales = None
         if noise is not None and step in run.branch_steps:
-            log_prob_std_scales = [b.log_prob_std_scale_at(step) for b in branchings]
+            log_prob_std_scales = [run.roots[node.root].branching.log_prob_std_scale_at(step) for node in nodes]
         transition = take_steps(
             kinds,
             x_t,
@@ -486,11 +485,23 @@ def _skipped_to(run: _TreeRun, nodes: list[_Node], start: int) -> list[_Node]:
     for step in range(start):
         if step in run.branch_steps:
             nodes, _ = _branch(run.roots, nodes, step)
-        kinds = [run.roots[node.root].branching.transition_at(run.options, step, node.path) for node in nodes]
-        for node, kind in zip(nodes, kinds):
-            if kind.draws_noise:
-                torch.randn(run.latent_shape, generator=node.generator, dtype=torch.float32)
+        drawing = [node.generator for node, kind in zip(nodes, _kinds(run, nodes, step)) if kind.draws_noise]
+        if drawing:  # the draws themselves are not needed: only where they leave the generators
+            _draw_noise(drawing, run.latent_shape, torch.device("cpu"))
     return nodes
+
+
+def _kinds(run: _TreeRun, nodes: list[_Node], step: int) -> list[TransitionKind]:
+    """The transition each node takes at `step` (`Branching.transition_at`)."""
+    return [run.roots[node.root].branching.transition_at(run.options, step, node.path) for node in nodes]
+
+
+def request_noise_std(options: SamplingOptions, sigmas: torch.Tensor, step: int) -> torch.Tensor:
+    """The `()` std of the request's transition at `step` (`SamplingOptions.transition_at`),
+    whichever rows took it: the debug tensors' `noise_std_devs` and replay's `noise_stds`. A row of
+    a comb that took an ODE step there has zero noise and log-prob 0."""
+    kind = options.transition_at(step)
+    return noise_std_of(kind, sigmas[step], sigmas[step + 1], eta=options.noise_level, sigma_after_one=sigmas[1])
 
 
 def _drawn_noise(run: _TreeRun, nodes: list[_Node], kinds: list[TransitionKind], step: int) -> torch.Tensor | None:
@@ -531,12 +542,9 @@ def _keep_debug(
     velocities, means, noises = epoch.debug
     velocities[:, slot].copy_(v, non_blocking=True)
     means[:, slot].copy_(transition.mean, non_blocking=True)
-    # The std of the request's transition at `step`, whichever rows took it: rows of an ODE step
-    # there (a comb's) keep zero noise, so x_(i+1) = mean + std * noise holds on every row.
-    kind = run.options.transition_at(step)
-    sigmas, eta = run.sigmas, run.options.noise_level
-    std = noise_std_of(kind, sigmas[step], sigmas[step + 1], eta=eta, sigma_after_one=sigmas[1])
-    run.noise_stds[step].copy_(std, non_blocking=True)
+    # Rows of an ODE step where the request's is stochastic (a comb's) keep zero noise, so
+    # x_(i+1) = mean + std * noise holds on every row.
+    run.noise_stds[step].copy_(request_noise_std(run.options, run.sigmas, step), non_blocking=True)
     if noise is None:
         noises[:, slot].zero_()
     else:
