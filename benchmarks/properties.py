@@ -55,6 +55,7 @@ from hypothesis import HealthCheck, given, reject, seed, settings
 from hypothesis import strategies as st
 
 from rollout.calibration import require_batch_invariance
+from rollout.codec import encode_tensor
 from rollout.cost import transformer_cost
 from rollout.dataset import PER_SAMPLE_TENSORS, RolloutDatasetWriter, load_rollouts
 from rollout.errors import ModelLoadError
@@ -607,20 +608,30 @@ def check_leaves_grown_alone(case: Case, served: Served) -> None:
 
 
 def check_leaves_resumed(case: Case, served: Served) -> None:
-    """Leaves (the first and the last) resumed from a latent they keep, half way, with their own
-    tail equal their rows from there on; the steps before it are not taken (zeros)."""
+    """Leaves (the first and the last) resumed half way by a request, from a latent they keep, with
+    their node's path (`rollout_resume_branch_paths`), their root's seed and their own tail:
+    equal to their rows from there on; the steps before it are not taken (zeros)."""
     pipeline = _configured(case)
-    for leaf in {id(leaf): leaf for leaf in (served.batch.samples[0], served.batch.samples[-1])}.values():
+    samples = served.batch.samples
+    for leaf, prompt in {id(leaf): (leaf, k) for leaf, k in ((samples[0], 0), (samples[-1], -1))}.values():
         kept = [step for step in leaf.latent_step_indices.tolist() if step < served.options.num_inference_steps]
         if not kept:
             return
         step = kept[len(kept) // 2]
-        returned = served.options.return_step_indices
-        options = dataclasses.replace(
-            served.options, resume_step=step, return_step_indices=None if returned is None else tuple(k for k in returned if k >= step)
-        )
-        (again,) = sample_tree(pipeline, [TreeRoot.resumed_from(leaf, step)], options).batch.samples
-        where = f"resumed at step {step}"
+        node = leaf.branch_path[: leaf.branching.depth_at(step)]
+        body = {**case.body, "prompt": [leaf.prompt], "negative_prompt": [leaf.negative_prompt], "seed": leaf.root_seed,
+                "num_outputs_per_prompt": len(leaf.branching.leaves_below(node)), "rollout_resume_step": step,
+                "rollout_resume_latents": [encode_tensor(leaf.latents[kept.index(step)], binary=False)],
+                "rollout_resume_branch_paths": [list(node)]}  # fmt: skip
+        if isinstance(body.get("image_path"), list):
+            body["image_path"] = [body["image_path"][prompt]]
+        if body.get("rollout_return_step_indices") is not None:
+            body["rollout_return_step_indices"] = [k for k in body["rollout_return_step_indices"] if k >= step]
+        plan = plan_rollout(parse_request(body), LIMITS)
+        resumed = sample_tree(pipeline, plan.roots(), resolve_options(pipeline, plan.options)).batch.samples
+        (again,) = [sample for sample in resumed if sample.branch_path == leaf.branch_path]
+        where = f"resumed at step {step} from node {list(node)}"
+        expect(again.seed == leaf.seed, f"{where}: the seed differs")
         first = kept.index(step)
         expect(torch.equal(again.latents, leaf.latents[first:]), f"{where}: the latents differ")
         expect(torch.equal(again.log_probs[step:], leaf.log_probs[step:]), f"{where}: the log-probs differ")

@@ -22,7 +22,7 @@ from rollout.input_images import InputImage
 from rollout.options import SamplingOptions
 from rollout.plan import RolloutPlan
 from rollout.trajectory import RolloutBatch
-from rollout.tree import Branching, TreeRoot, roots_of
+from rollout.tree import Branching, RootedSamples
 
 
 class ServiceUnavailableError(RolloutError):
@@ -47,7 +47,7 @@ class DeadlineExceededError(RolloutError):
 
 
 @dataclass(frozen=True)
-class SamplingWork:
+class SamplingWork(RootedSamples):
     """One sampler call's worth of one request's samples: what a worker replica receives.
 
     Attributes:
@@ -68,6 +68,8 @@ class SamplingWork:
             () for a request without images.
         resume_latents: each sample's prompt's latent to resume from (`RolloutPlan.resume_latents`);
             () for a request that starts from noise.
+        resume_nodes: each sample's prompt's node to resume (`RolloutPlan.resume_nodes`); () for the
+            roots.
     """
 
     prompts: tuple[str, ...]
@@ -82,6 +84,7 @@ class SamplingWork:
     client: str | None = None
     images: tuple[tuple[InputImage, ...], ...] = ()
     resume_latents: tuple[torch.Tensor, ...] = ()
+    resume_nodes: tuple[tuple[int, ...], ...] = ()
 
     def __len__(self) -> int:
         return len(self.seeds)
@@ -91,10 +94,6 @@ class SamplingWork:
         """The samples the response this work is part of holds."""
         return len(self) if self.request_samples is None else self.request_samples
 
-    def roots(self) -> list[TreeRoot]:
-        return roots_of(
-            self.prompts, self.negative_prompts, self.seeds, self.branching, self.images or None, self.resume_latents or None
-        )
 
 
 def cut_into_work(
@@ -103,23 +102,28 @@ def cut_into_work(
     """The plan's samples in order, cut so that every worker replica gets a share and no piece is
     larger than a worker's batch; each piece holds whole roots (a root's leaves are sampled in one
     call, and `plan_rollout` refused a root larger than `max_batch_size`)."""
-    per_root = plan.branching.leaves_per_root
     size = max(1, min(max_batch_size, math.ceil(plan.num_samples / num_worker_replicas)))
-    size = max(per_root, size - size % per_root)
+    starts, piece = [0], 0
+    for leaves in (len(root.leaf_paths()) for root in plan.roots()):
+        if piece and piece + leaves > size:
+            starts.append(starts[-1] + piece)
+            piece = 0
+        piece += leaves
     return [
         SamplingWork(
-            plan.prompts[start : start + size],
-            plan.negative_prompts[start : start + size],
-            plan.seeds[start : start + size],
+            plan.prompts[start:stop],
+            plan.negative_prompts[start:stop],
+            plan.seeds[start:stop],
             plan.options,
             plan.request.weight_version,
             deadline,
             branching=plan.branching,
             request_samples=plan.num_samples,
-            images=plan.images[start : start + size],
-            resume_latents=plan.resume_latents[start : start + size],
+            images=plan.images[start:stop],
+            resume_latents=plan.resume_latents[start:stop],
+            resume_nodes=plan.resume_nodes[start:stop],
         )
-        for start in range(0, plan.num_samples, size)
+        for start, stop in zip(starts, [*starts[1:], plan.num_samples])
     ]
 
 

@@ -3,7 +3,8 @@
 This module is the one home of the checks of a request's values (the schema, `rollout.schema`,
 checks only their types): `plan_rollout` makes every check the served model has no say in, and
 derives the per-sample data once: sample i is prompt i // num_outputs_per_prompt, with that
-prompt's negative prompt and the seed `seed + i`; `checked_against_model` makes the rest, where
+prompt's negative prompt and the seed `seed + i` (its leaf's, where it resumes a node below a
+branch step: `RolloutPlan`); `checked_against_model` makes the rest, where
 the model is (a worker replica), and fills in the model's defaults. Everything here raises
 `InvalidRequestError` naming the field (HTTP 400).
 """
@@ -32,14 +33,14 @@ from rollout.tree import (
     LOG_PROB_STD_FIELD,
     NOISE_SCALES_FIELD,
     RESUME_LATENTS_FIELD,
+    RESUME_PATHS_FIELD,
     SHAPE_FIELD,
     STEPS_FIELD,
     Branching,
     BranchLogProbStd,
     BranchShape,
-    TreeRoot,
+    RootedSamples,
     check_resume_latent,
-    roots_of,
 )
 from rollout.weights import weight_version_problem
 
@@ -133,7 +134,7 @@ class RewardPlan:
 
 
 @dataclass(frozen=True)
-class RolloutPlan:
+class RolloutPlan(RootedSamples):
     """A validated request, fanned out into samples.
 
     Attributes:
@@ -142,7 +143,9 @@ class RolloutPlan:
         seed: the request's base seed, drawn here when the request gave none.
         options: the request's sampling options.
         prompts, negative_prompts, seeds: one per sample, prompt-major: sample i is prompt
-            i // num_outputs_per_prompt, seed `seed + i`.
+            i // num_outputs_per_prompt. Its seed is its leaf's: the request's r-th root (request
+            order) has the seed `seed + r * leaves_per_root`, and its leaf at path c the root's
+            plus `Branching.offset(c)`; so sample i's is `seed + i` unless nodes are resumed.
         branching: the tree each root grows into: a prompt's samples are its roots' leaves, root
             after root (`rollout.tree`); no branch steps: every sample is a root.
         rewards: the scorers to score its samples with; None: no rewards.
@@ -150,6 +153,8 @@ class RolloutPlan:
             tuple for every sample of a prompt; () for a request without images.
         resume_latents: in a resumed request, each sample's prompt's latent at the resume step
             (`rollout_resume_latents`), the same tensor for every sample of a prompt; () otherwise.
+        resume_nodes: in a request that resumes nodes below a branch step, each sample's prompt's
+            node (`rollout_resume_branch_paths`): the sample is a leaf below it; () otherwise.
     """
 
     request_id: str
@@ -163,6 +168,7 @@ class RolloutPlan:
     rewards: RewardPlan | None = None
     images: tuple[tuple[InputImage, ...], ...] = ()
     resume_latents: tuple[torch.Tensor, ...] = ()
+    resume_nodes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_outputs_per_prompt(self) -> int:
@@ -172,11 +178,6 @@ class RolloutPlan:
     def num_samples(self) -> int:
         return len(self.seeds)
 
-    def roots(self) -> list[TreeRoot]:
-        """The request's samples as the roots they grow from, in request order (`rollout.tree`)."""
-        return roots_of(
-            self.prompts, self.negative_prompts, self.seeds, self.branching, self.images or None, self.resume_latents or None
-        )
 
 
 def plan_rollout(
@@ -220,9 +221,14 @@ def plan_rollout(
         raise InvalidRequestError("weight_version", problem)
     negative_prompts = _negative_prompt_per_prompt(request, len(prompts))
     seed = secrets.randbelow(2**31) if request.seed is None else check_seed(request.seed)
-    if seed + num_samples - 1 > MAX_SEED:
-        raise InvalidRequestError("seed", f"seed + number of samples - 1 must be <= {MAX_SEED}")
     options = _sampling_options(request, steps)
+    branching = _branching(request, options, max_batch_size)
+    resume_nodes = _resume_nodes(request, branching, len(prompts), limits)
+    roots = _leaves_of_roots(branching, resume_nodes or [()] * len(prompts), per_prompt)
+    if seed + len(roots) * branching.leaves_per_root - 1 > MAX_SEED:
+        raise InvalidRequestError(
+            "seed", f"seed + {len(roots)} roots x {branching.leaves_per_root} leaves - 1 must be <= {MAX_SEED}"
+        )
     image_limits = ImageInputLimits(
         limits.max_input_image_bytes,
         limits.max_input_image_pixels,
@@ -237,11 +243,16 @@ def plan_rollout(
         options=options,
         prompts=tuple(p for p in prompts for _ in range(per_prompt)),
         negative_prompts=tuple(n for n in negative_prompts for _ in range(per_prompt)),
-        seeds=tuple(range(seed, seed + num_samples)),
-        branching=_branching(request, options, max_batch_size),
+        seeds=tuple(
+            seed + index * branching.leaves_per_root + branching.offset(leaf)
+            for index, leaves in enumerate(roots)
+            for leaf in leaves
+        ),
+        branching=branching,
         rewards=_rewards(request, scorers),
         images=tuple(images for images in prompt_images for _ in range(per_prompt)),
         resume_latents=tuple(latent for latent in _resume_latents(request, len(prompts)) for _ in range(per_prompt)),
+        resume_nodes=tuple(node for node in resume_nodes for _ in range(per_prompt)),
     )
 
 
@@ -422,18 +433,56 @@ def _branching(request: RolloutRequest, options: SamplingOptions, max_batch_size
         tuple(steps), tuple(factors), tuple(scales or ()), log_prob_std or BranchLogProbStd.SCALED, shape or BranchShape.TREE
     )
     branching.check(options)
-    per_root = branching.leaves_per_root
-    if request.outputs_per_prompt % per_root:
-        raise InvalidRequestError(
-            "num_outputs_per_prompt", f"must be a multiple of {branching.leaves_rule}, got {request.outputs_per_prompt}"
-        )
-    if max_batch_size is not None and per_root > max_batch_size:
+    if max_batch_size is not None and branching.leaves_per_root > max_batch_size:
         raise InvalidRequestError(
             FACTORS_FIELD,
             f"the leaves of a root, {branching.leaves_rule}, are sampled together: they must be at most the "
             f"server's max_batch_size ({max_batch_size})",
         )
     return branching
+
+
+def _resume_nodes(
+    request: RolloutRequest, branching: Branching, num_prompts: int, limits: RequestLimits
+) -> list[tuple[int, ...]]:
+    """Per prompt, the path of the node its roots resume (`rollout_resume_branch_paths`): its
+    roots grow the leaves below it. [] where the request names none: its roots grow every leaf."""
+    paths = request.rollout_resume_branch_paths
+    if paths is None:
+        return []
+    if request.rollout_resume_step is None:
+        raise InvalidRequestError(RESUME_PATHS_FIELD, "needs rollout_resume_step: the nodes are those at that step")
+    if len(paths) != num_prompts:
+        raise InvalidRequestError(RESUME_PATHS_FIELD, f"needs one path a prompt: {len(paths)} for {num_prompts} prompts")
+    if branching.leaves_per_root > limits.max_outputs_per_prompt:  # before the root's leaves are listed
+        raise InvalidRequestError(
+            FACTORS_FIELD,
+            f"a root's leaves, {branching.leaves_rule}, must be at most max_outputs_per_prompt "
+            f"({limits.max_outputs_per_prompt}): no request sampled the node to resume",
+        )
+    return [
+        branching.check_node_at(path, request.rollout_resume_step, f"{RESUME_PATHS_FIELD}[{k}]")
+        for k, path in enumerate(paths)
+    ]
+
+
+def _leaves_of_roots(branching: Branching, nodes: Sequence[tuple[int, ...]], per_prompt: int) -> list[tuple[tuple[int, ...], ...]]:
+    """The leaves each root of the request grows, root after root: a prompt's samples are roots
+    that each grow the leaves below its node (`nodes`, one a prompt; (): every leaf)."""
+    roots = []
+    for k, node in enumerate(nodes):
+        if not node and per_prompt % branching.leaves_per_root:  # before the root's leaves are listed
+            raise InvalidRequestError(
+                "num_outputs_per_prompt", f"must be a multiple of {branching.leaves_rule}, got {per_prompt}"
+            )
+        leaves = branching.leaves_below(node)
+        if per_prompt % len(leaves):
+            raise InvalidRequestError(
+                "num_outputs_per_prompt",
+                f"must be a multiple of the {len(leaves)} leaves below the node {RESUME_PATHS_FIELD}[{k}] names, got {per_prompt}",
+            )
+        roots += [leaves] * (per_prompt // len(leaves))
+    return roots
 
 
 def _negative_prompt_per_prompt(request: RolloutRequest, num_prompts: int) -> list[str]:

@@ -120,6 +120,12 @@ class RolloutRequest(BaseModel):
         description="(extension) One latent a prompt, x_s at rollout_resume_step: a tensor envelope (a tensor "
         "through the handle), float32, of the model's latent shape for the request's size.",
     )
+    rollout_resume_branch_paths: Items[Items[int]] | None = Field(
+        None,
+        description="(extension) One a prompt: the branch path of the node each latent of rollout_resume_latents "
+        "belongs to, a child index for each branch step before rollout_resume_step. The prompt's samples are the "
+        "leaves below it, root after root, with their own seeds (rollout/tree.py). Default: the root.",
+    )
     rollout_branch_shape: str | None = Field(
         None,
         description="(extension) tree (default): every node branches at each branch step; comb (TempFlow-GRPO's): "

@@ -70,6 +70,7 @@ NOISE_SCALES_FIELD = "rollout_branch_noise_scales"
 LOG_PROB_STD_FIELD = "rollout_branch_log_prob_std"
 SHAPE_FIELD = "rollout_branch_shape"
 RESUME_LATENTS_FIELD = "rollout_resume_latents"
+RESUME_PATHS_FIELD = "rollout_resume_branch_paths"
 # The largest noise scale of a branch step: BranchGRPO's scripts use 4; past this a child's latents
 # are noise, not an exploration around its parent's mean.
 MAX_NOISE_SCALE = 100.0
@@ -299,6 +300,34 @@ class Branching:
         last = owned.stop if self.branches_below(path) else owned.stop - 1
         return range(first, last + 1)
 
+    def depth_at(self, step: int) -> int:
+        """How many branch steps come before `step`: the length of the path of the node that holds
+        latent x_step (a comb child's whole path where it is shorter)."""
+        return sum(branch_step < step for branch_step in self.steps)
+
+    def leaves_below(self, node: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """The paths of the leaves below the node at `node` (the node itself where it is a leaf), in
+        leaf-number order; () is the root, whose leaves are all `leaves_per_root`."""
+        node = tuple(node)
+        paths = (self.path_of(offset) for offset in range(self.leaves_per_root))
+        return tuple(path for path in paths if path[: len(node)] == node)
+
+    def check_node_at(self, node: Sequence[int], step: int, field: str = RESUME_PATHS_FIELD) -> tuple[int, ...]:
+        """`node` as a path, raising `InvalidRequestError` naming `field` unless it is the path of a
+        node that holds latent x_step: a leaf's path cut at `depth_at(step)`."""
+        if isinstance(node, (str, bytes)) or not hasattr(node, "__iter__"):
+            raise InvalidRequestError(field, f"must be a list of child indices, got {short_repr(node)}")
+        node = tuple(node)
+        depth = self.depth_at(step)
+        nodes = {path[:depth] for path in map(self.path_of, range(self.leaves_per_root))}
+        if node not in nodes:
+            raise InvalidRequestError(
+                field,
+                f"must be the path of a node at step {step}: one child index for each of the {depth} branch steps "
+                f"before it (a comb's child ends at its own), for factors {list(self.factors)}; got {short_repr(node)}",
+            )
+        return node
+
     def branch_seeds(self, root_seed: int, path: Sequence[int]) -> tuple[int, ...]:
         """The seeds of the generators a leaf's noise came from: the root's, then after each branch
         step its node's (equal to the one before where a child 0 kept its parent's generator)."""
@@ -357,11 +386,13 @@ class TreeRoot:
     def leaves_at(self, step: int) -> tuple[int, ...]:
         """The path of the node whose latent x_step all its leaves share: raises
         `InvalidRequestError` naming ``branch_path`` where they part before it."""
-        depth = sum(branch_step < step for branch_step in self.branching.steps)
+        depth = self.branching.depth_at(step)
         prefixes = {path[:depth] for path in self.leaf_paths()}
         if len(prefixes) > 1:
             raise InvalidRequestError(
-                "branch_path", f"a resumed root grows leaves of one node at step {step}; these part before it: {sorted(prefixes)}"
+                "branch_path",
+                f"a resumed root grows leaves of one node at step {step}, these part before it: {sorted(prefixes)} "
+                f"(over HTTP, {RESUME_PATHS_FIELD} names the node)",
             )
         return prefixes.pop()
 
@@ -385,30 +416,63 @@ def roots_of(
     branching: Branching,
     images: Sequence[tuple[InputImage, ...]] | None = None,
     resume_latents: Sequence[torch.Tensor] | None = None,
+    resume_nodes: Sequence[tuple[int, ...]] | None = None,
 ) -> list[TreeRoot]:
-    """A request's samples (leaves, request order) as its roots: blocks of `leaves_per_root`
-    consecutive samples, each block one prompt (with its input `images`, one tuple per sample,
-    shared by a prompt's samples; None: no images; and in a resumed request its latent at the
-    resume step, one per sample likewise) and consecutive seeds."""
+    """A request's samples (leaves, request order) as its roots. Each sample comes with its prompt,
+    its input `images` (one tuple per sample, shared by a prompt's samples; None: no images), and
+    in a resumed request its latent at the resume step and the path of the node it resumes
+    (likewise; None: the root, ()). A root is a block of consecutive samples: the leaves below its
+    node (`Branching.leaves_below`), one prompt, and the seeds of those leaves, `root seed +
+    Branching.offset(leaf)` (consecutive where the node is the root)."""
     images = [()] * len(seeds) if images is None else images
-    per_root = branching.leaves_per_root
-    if len(seeds) % per_root:
-        raise InvalidRequestError(
-            "num_outputs_per_prompt",
-            f"must be a multiple of {branching.leaves_rule}: {len(seeds)} samples",
-        )
-    roots = []
-    for start in range(0, len(seeds), per_root):
-        block = range(start + 1, start + per_root)
+    roots, start = [], 0
+    while start < len(seeds):
+        node = () if resume_nodes is None else tuple(resume_nodes[start])
+        leaves = branching.leaves_below(node)
+        block = range(start, start + len(leaves))
+        if block.stop > len(seeds):
+            rule = f"the {len(leaves)} leaves below the node {list(node)}" if node else branching.leaves_rule
+            raise InvalidRequestError("num_outputs_per_prompt", f"must be a multiple of {rule}: {len(seeds)} samples")
         if any(
             prompts[i] != prompts[start] or negative_prompts[i] != negative_prompts[start] or images[i] != images[start]
             for i in block
         ):
             raise InvalidRequestError(
-                "prompt", f"the {per_root} samples of a root need one prompt, negative prompt and input images"
+                "prompt", f"the {len(leaves)} samples of a root need one prompt, negative prompt and input images"
             )
-        if any(seeds[i] != seeds[start] + i - start for i in block):
-            raise InvalidRequestError("seed", f"the {per_root} samples of a root need consecutive seeds")
+        root_seed = seeds[start] - branching.offset(leaves[0])
+        if any(seeds[i] != root_seed + branching.offset(leaf) for i, leaf in zip(block, leaves)):
+            raise InvalidRequestError(
+                "seed", f"the {len(leaves)} samples of a root need its leaves' seeds: its own plus each leaf's number among them"
+            )
         resume = None if resume_latents is None else resume_latents[start]
-        roots.append(TreeRoot(prompts[start], negative_prompts[start], seeds[start], branching, images=images[start], resume_latents=resume))
+        paths = None if node == () else leaves
+        roots.append(
+            TreeRoot(prompts[start], negative_prompts[start], root_seed, branching, paths, images[start], resume_latents=resume)
+        )
+        start = block.stop
     return roots
+
+
+class RootedSamples:
+    """What a request's plan and each part of it sent to a worker share: one entry per sample, in
+    request order (see `roots_of`), and `roots()`, the roots those samples grow."""
+
+    prompts: tuple[str, ...]
+    negative_prompts: tuple[str, ...]
+    seeds: tuple[int, ...]
+    branching: Branching
+    images: tuple[tuple[InputImage, ...], ...]
+    resume_latents: tuple[torch.Tensor, ...]
+    resume_nodes: tuple[tuple[int, ...], ...]
+
+    def roots(self) -> list[TreeRoot]:
+        return roots_of(
+            self.prompts,
+            self.negative_prompts,
+            self.seeds,
+            self.branching,
+            self.images or None,
+            self.resume_latents or None,
+            self.resume_nodes or None,
+        )

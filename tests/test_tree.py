@@ -531,3 +531,72 @@ def test_latents_the_model_cannot_resume_from_are_refused_before_sampling(random
         grow(random_pipeline, [TreeRoot("1", "", 0, TWO_LEVELS, paths=((0, 0), (1, 0)), resume_latents=leaf.latents[2])],
              dataclasses.replace(OPTIONS, resume_step=5))  # fmt: skip
     assert caught.value.field == "branch_path"
+
+
+# Resuming a node below a branch step by request (`rollout_resume_branch_paths`): its leaves, with their seeds --
+
+BELOW_A_BRANCH = {"tree": (TWO_LEVELS, 3, [[1], [2]]), "comb": (COMB, 3, [[0, 0], [2]])}  # a root's nodes at step 3
+
+
+def planned(fields, prompts=("6", "3")):
+    """The plan of a request for `prompts` with `fields`, after a trip through JSON."""
+    request = {"prompt": list(prompts), "num_inference_steps": STEPS, "seed": 500, "rollout_debug_mode": True,
+               "rollout_return_dit_trajectory": True, **fields}  # fmt: skip
+    return plan_rollout(parse_request(json.loads(json.dumps(request))), RequestLimits())
+
+
+@pytest.mark.parametrize("shape", BELOW_A_BRANCH)
+def test_nodes_below_a_branch_step_resumed_by_request_give_their_leaves_bits(random_pipeline, shape):
+    """A request names, per prompt, the node its latent belongs to: its samples are the leaves
+    below it, with the seeds they had (root r of a request is seeded `seed + r * leaves_per_root`),
+    so the request's seed and fields give the same leaves from the node on; more samples than the
+    node's leaves are roots of their own that explore from it."""
+    branching, step, nodes = BELOW_A_BRANCH[shape]
+    branch_fields = {"rollout_branch_steps": list(branching.steps), "rollout_branch_factors": list(branching.factors),
+                     "rollout_branch_shape": branching.shape.value}  # fmt: skip
+    per_root = branching.leaves_per_root
+    original = planned({**branch_fields, "num_outputs_per_prompt": per_root})
+    leaves = grow(random_pipeline, original.roots(), original.options).batch.samples
+    chosen = [[leaf for leaf in leaves[k * per_root : (k + 1) * per_root] if leaf.branch_path[: len(node)] == tuple(node)]
+              for k, node in enumerate(nodes)]  # fmt: skip
+    envelopes = [encode_tensor(below[0].latents[step], binary=False) for below in chosen]
+    resume = {**branch_fields, "rollout_resume_step": step, "rollout_resume_latents": envelopes, "rollout_resume_branch_paths": nodes}
+    outputs = max(len(below) for below in chosen)  # one root a prompt where the node has the most leaves
+    plan = planned({**resume, "num_outputs_per_prompt": outputs})
+    resumed_leaves = grow(random_pipeline, plan.roots(), plan.options).batch.samples
+    for k, below in enumerate(chosen):
+        rows = resumed_leaves[k * outputs : (k + 1) * outputs]
+        assert [row.branch_path for row in rows] == [leaf.branch_path for leaf in below] * (outputs // len(below))
+        for leaf, again in zip(below, rows):  # the prompt's first root: the original's, from the node on
+            assert (again.seed, again.root_seed) == (leaf.seed, leaf.root_seed)
+            assert torch.equal(again.latents, leaf.latents[step:]) and torch.equal(again.image, leaf.image)
+            assert torch.equal(again.log_probs[step:], leaf.log_probs[step:]) and not again.log_probs[:step].any()
+    assert len(set(plan.seeds)) == len(plan.seeds)
+    explore = planned({**resume, "num_outputs_per_prompt": 2 * len(chosen[0]), "rollout_resume_latents": envelopes[:1],
+                       "rollout_resume_branch_paths": nodes[:1]}, prompts=["6"])  # fmt: skip
+    first, explorer = grow(random_pipeline, explore.roots(), explore.options).batch.samples[:: len(chosen[0])]
+    assert explorer.root_seed == first.root_seed + per_root and torch.equal(explorer.latents[0], first.latents[0])
+    kinds = {branching.transition_at(plan.options, at, explorer.branch_path) for at in range(step, STEPS)}
+    assert torch.equal(explorer.image, first.image) == (kinds == {TransitionKind.ODE})  # only an ODE tail draws nothing
+
+
+@pytest.mark.parametrize(
+    "fields, field, reason",
+    [
+        ({"rollout_resume_step": None}, "rollout_resume_branch_paths", "needs rollout_resume_step"),
+        ({"rollout_resume_branch_paths": [[1]]}, "rollout_resume_branch_paths", "needs one path a prompt: 1 for 2 prompts"),
+        ({"rollout_resume_branch_paths": [[1], [3]]}, "rollout_resume_branch_paths[1]", "must be the path of a node at step 3"),
+        ({"rollout_resume_branch_paths": [[1], [1, 0]]}, "rollout_resume_branch_paths[1]", "for each of the 1 branch steps"),
+        ({"rollout_resume_branch_paths": [[1], "1"]}, "rollout_resume_branch_paths.1", "valid list"),
+        ({"num_outputs_per_prompt": 3}, "num_outputs_per_prompt", "multiple of the 2 leaves below the node rollout_resume_branch_paths[0]"),
+        ({"rollout_branch_factors": [300, 2]}, "rollout_branch_factors", "must be at most max_outputs_per_prompt (64)"),
+    ],
+)  # fmt: skip
+def test_bad_nodes_to_resume_are_refused_by_name(fields, field, reason):
+    request = {"prompt": ["6", "3"], "num_inference_steps": STEPS, "num_outputs_per_prompt": 2, "rollout_branch_steps": [2, 4],
+               "rollout_branch_factors": [3, 2], "rollout_resume_step": 3, "rollout_resume_branch_paths": [[1], [2]],
+               "rollout_resume_latents": [encode_tensor(torch.zeros(4, 8, 8), binary=False)] * 2}  # fmt: skip
+    request = {name: value for name, value in {**request, **fields}.items() if value is not None}
+    with pytest.raises(InvalidRequestError) as caught:
+        plan_rollout(parse_request(request), RequestLimits())
+    assert caught.value.field == field and reason in caught.value.reason

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+import torch
 
 from deployments.config import RolloutAppConfig
 from deployments.dispatch import (
@@ -24,6 +25,7 @@ from deployments.dispatch import (
 from deployments.ray_private import object_store_bytes
 from deployments.scoring import RequestScoring
 from deployments.work import DeadlineExceededError, cut_into_work
+from rollout.codec import encode_tensor
 from rollout.cost import CostFacts, RequestCost, TransformerCost
 from rollout.errors import InvalidRequestError
 from rollout.models.digits import DigitFlowPipeline
@@ -107,6 +109,19 @@ def test_a_tree_request_is_cut_into_whole_roots_and_a_root_larger_than_a_batch_i
     with pytest.raises(InvalidRequestError) as caught:  # refused by the plan, before anything is sent
         plan(4, max_batch_size=3, **tree)
     assert caught.value.field == "rollout_branch_factors" and "at most the server's max_batch_size (3)" in caught.value.reason
+
+
+def test_roots_of_different_sizes_resumed_below_a_branch_step_are_cut_whole():
+    """A comb's spine node at step 3 has 2 leaves below it, a child of step 0 one: each prompt's
+    roots are its node's leaves, and no piece cuts one."""
+    latent = encode_tensor(torch.zeros(4, 8, 8), binary=False)
+    comb = {"prompt": ["7", "1", "4"], "num_outputs_per_prompt": 2, "num_inference_steps": 6, "seed": 0,
+            "rollout_branch_shape": "comb", "rollout_branch_steps": [0, 2, 4], "rollout_branch_factors": [2, 3, 1],
+            "rollout_resume_step": 3, "rollout_resume_latents": [latent] * 3, "rollout_resume_branch_paths": [[2], [0, 0], [1]]}  # fmt: skip
+    resumed = plan_rollout(parse_request(comb), RequestLimits())
+    assert [len(root.leaf_paths()) for root in resumed.roots()] == [1, 1, 2, 1, 1]
+    assert [len(work) for work in cut_into_work(resumed, 2, 3)] == [2, 3, 1]  # at most 3, whole roots
+    assert sum((work.roots() for work in cut_into_work(resumed, 2, 3)), []) == resumed.roots()
 
 
 def test_each_part_says_how_many_other_samples_the_ingress_had_in_flight_when_it_was_sent():

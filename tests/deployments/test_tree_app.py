@@ -182,6 +182,26 @@ def test_a_node_resumed_over_http_from_its_row_gives_its_rows_bits_from_there(ht
     assert response.status_code == 400 and response.json()["error"]["field"] == "rollout_resume_latents"
 
 
+def test_a_node_below_a_branch_step_resumed_over_http_gives_its_leaves_rows(http, base_url):
+    """A row's node at step 3, below the branch at step 2, named by its path: the request that
+    sampled it, from there, gives the rows of the leaves below it, bit for bit."""
+    body = {**TREE, "prompt": "3", "num_outputs_per_prompt": 4}
+    rows = post(http, base_url, body)
+    below = [row for row in rows if row["branch_path"][0] == 1]
+    latent = encode_tensor(below[0]["dit_trajectory"]["latents"][3], binary=False)
+    resume = {**body, "num_outputs_per_prompt": 2, "seed": below[0]["branch_seeds"][0], "rollout_resume_step": 3,
+              "rollout_resume_latents": [latent], "rollout_resume_branch_paths": [[1]]}  # fmt: skip
+    resumed = post(http, base_url, resume)
+    assert [row["branch_path"] for row in resumed] == [[1, 0], [1, 1]]
+    for row, again in zip(below, resumed, strict=True):
+        assert again["sample_seed"] == row["sample_seed"] and again["branch_seeds"] == row["branch_seeds"]
+        assert torch.equal(again["dit_trajectory"]["latents"], row["dit_trajectory"]["latents"][3:])
+        assert torch.equal(again["rollout_log_probs"][3:], row["rollout_log_probs"][3:])
+        assert torch.equal(again["generated_output"], row["generated_output"])
+    response = http.post(f"{base_url}/rollout/generate", json={**resume, "rollout_resume_branch_paths": [[2]]})
+    assert response.status_code == 400 and response.json()["error"]["field"] == "rollout_resume_branch_paths[0]"
+
+
 @pytest.mark.parametrize(
     "fields, field, reason",
     [
