@@ -377,6 +377,10 @@ def test_a_comb_is_tempflow_grpos_rollout_its_spine_computed_once(random_pipelin
             euler, _, _ = reference_step("ode", x, v, sigmas[tail], sigmas[tail + 1], 0.7, sigmas[1], 0)
             assert_mean_close("ode", leaf.latents[tail + 1].double().numpy(), euler, x, v, sigmas[tail], sigmas[tail + 1], 0.7)
         assert not torch.equal(leaf.image, spine.image)
+        # G2RPO rewards the x0 its last ODE step predicts (`run_ode_sample_step`'s pred_original):
+        # at its granularity 1, the leaf's final latent, bit for bit.
+        last_sigma = call.batch.schedule.sigmas[STEPS - 1]
+        assert torch.equal(leaf.latents[STEPS], leaf.latents[STEPS - 1] - last_sigma * debug.model_outputs[STEPS - 1])
     kernels = load_pipeline(micro_batching=MicroBatching(8, invariance="kernels"))
     rows = sample_tree(kernels, [TreeRoot("7", "", 100, COMB)], OPTIONS).transformer_rows
     assert rows == STEPS + 2 * (STEPS - 1 - 0) + 3 * (STEPS - 1 - 2) + 1 * (STEPS - 1 - 4) == 26
