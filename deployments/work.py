@@ -95,7 +95,6 @@ class SamplingWork(RootedSamples):
         return len(self) if self.request_samples is None else self.request_samples
 
 
-
 def cut_into_work(
     plan: RolloutPlan, num_worker_replicas: int, max_batch_size: int, deadline: float | None = None
 ) -> list[SamplingWork]:
