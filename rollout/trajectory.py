@@ -61,7 +61,8 @@ class SampleTrajectory:
 
     Attributes:
         prompt, negative_prompt: what the sample was conditioned on.
-        seed: the seed of this sample's generator (the request's seed + the sample's index).
+        seed: the seed of this sample's generator: the request's seed + the sample's index, or in
+            a request that resumes nodes below a branch step, its leaf's (`rollout.plan.RolloutPlan`).
         image: `(C, H, W)` fp32 in [0, 1].
         final_latents: `(*latent_shape)` fp32, x_T.
         log_probs: `(T,)` fp32, log-prob of the transition taken at each step (0 on ODE steps).

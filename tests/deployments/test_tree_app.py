@@ -198,6 +198,11 @@ def test_a_node_below_a_branch_step_resumed_over_http_gives_its_leaves_rows(http
         assert torch.equal(again["dit_trajectory"]["latents"], row["dit_trajectory"]["latents"][3:])
         assert torch.equal(again["rollout_log_probs"][3:], row["rollout_log_probs"][3:])
         assert torch.equal(again["generated_output"], row["generated_output"])
+    # A trainer's client sends the latent as it holds it, a tensor (msgpack carries it as one).
+    latent = below[0]["dit_trajectory"]["latents"][3]
+    by_client = RolloutClient(base_url).generate({**resume, "rollout_resume_latents": [latent]})
+    for row, leaf in zip(resumed, by_client.samples, strict=True):
+        assert leaf.branch_path == tuple(row["branch_path"]) and torch.equal(leaf.image, row["generated_output"])
     response = http.post(f"{base_url}/rollout/generate", json={**resume, "rollout_resume_branch_paths": [[2]]})
     assert response.status_code == 400 and response.json()["error"]["field"] == "rollout_resume_branch_paths[0]"
 
