@@ -305,12 +305,15 @@ class Branching:
         latent x_step (a comb child's whole path where it is shorter)."""
         return sum(branch_step < step for branch_step in self.steps)
 
+    def leaf_paths(self) -> tuple[tuple[int, ...], ...]:
+        """The paths of a root's `leaves_per_root` leaves, in leaf-number order."""
+        return tuple(self.path_of(offset) for offset in range(self.leaves_per_root))
+
     def leaves_below(self, node: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """The paths of the leaves below the node at `node` (the node itself where it is a leaf), in
-        leaf-number order; () is the root, whose leaves are all `leaves_per_root`."""
+        leaf-number order; () is the root, whose leaves are all of them."""
         node = tuple(node)
-        paths = (self.path_of(offset) for offset in range(self.leaves_per_root))
-        return tuple(path for path in paths if path[: len(node)] == node)
+        return tuple(path for path in self.leaf_paths() if path[: len(node)] == node)
 
     def check_node_at(self, node: Sequence[int], step: int, field: str = RESUME_PATHS_FIELD) -> tuple[int, ...]:
         """`node` as a path, raising `InvalidRequestError` naming `field` unless it is the path of a
@@ -319,7 +322,7 @@ class Branching:
             raise InvalidRequestError(field, f"must be a list of child indices, got {short_repr(node)}")
         node = tuple(node)
         depth = self.depth_at(step)
-        nodes = {path[:depth] for path in map(self.path_of, range(self.leaves_per_root))}
+        nodes = {path[:depth] for path in self.leaf_paths()}
         if node not in nodes:
             raise InvalidRequestError(
                 field,
@@ -358,7 +361,7 @@ class TreeRoot:
 
     def leaf_paths(self) -> tuple[tuple[int, ...], ...]:
         if self.paths is None:
-            return tuple(self.branching.path_of(offset) for offset in range(self.branching.leaves_per_root))
+            return self.branching.leaf_paths()
         return tuple(self.branching.check_path(path) for path in self.paths)
 
     @classmethod
